@@ -1,0 +1,366 @@
+"""BlockLayout: the batched CSR of active (query block, kv block) pairs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK_SIZES = (16, 32, 64, 128)
+DENSE_LIMIT = 1 << 28  # elements of to_dense() before it refuses (256 MiB of bool)
+
+
+def _first_true(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+class BlockLayout:
+    """Active blocks of the attention matrix, as a batched CSR.
+
+    row_offsets: int32 [L, num_q_blocks + 1], global pointers into col_indices
+        (row_offsets[l, -1] == row_offsets[l + 1, 0]; the last is nnz).
+    col_indices: int32 [nnz], the active kv blocks of each row, ascending, unique.
+    L = layout_batch * layout_heads; a size of 1 broadcasts over batch or heads.
+    """
+
+    def __init__(
+        self,
+        row_offsets: torch.Tensor,
+        col_indices: torch.Tensor,
+        *,
+        seq_len_q: int,
+        seq_len_kv: int | None = None,
+        q_block: int = 128,
+        kv_block: int | None = None,
+        layout_batch: int = 1,
+        layout_heads: int | None = None,
+        validate: bool = True,
+    ):
+        seq_len_kv = seq_len_q if seq_len_kv is None else seq_len_kv
+        kv_block = q_block if kv_block is None else kv_block
+        for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("q_block", q_block), ("kv_block", kv_block)):
+            if value not in BLOCK_SIZES:
+                raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value!r}")
+        for name, tensor in (("row_offsets", row_offsets), ("col_indices", col_indices)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.dtype != torch.int32:
+                raise ValueError(f"{name} must be int32, got {tensor.dtype}; convert with .int()")
+        self.row_offsets = row_offsets
+        self.col_indices = col_indices
+        self.seq_len_q = seq_len_q
+        self.seq_len_kv = seq_len_kv
+        self.q_block = q_block
+        self.kv_block = kv_block
+        self.num_q_blocks = math.ceil(seq_len_q / q_block)
+        self.num_kv_blocks = math.ceil(seq_len_kv / kv_block)
+        num_layouts = row_offsets.shape[0] if row_offsets.dim() == 2 else -1
+        if layout_heads is None:
+            layout_heads = max(num_layouts, 1) // layout_batch
+        self.layout_batch = layout_batch
+        self.layout_heads = layout_heads
+        self._transposed: BlockLayout | None = None
+        if validate:
+            self._validate()
+
+    # ---- sizes -------------------------------------------------------------------
+    @property
+    def num_layouts(self) -> int:
+        return self.layout_batch * self.layout_heads
+
+    @property
+    def nnz(self) -> int:
+        return self.col_indices.numel()
+
+    @property
+    def density(self) -> float:
+        return self.nnz / (self.num_layouts * self.num_q_blocks * self.num_kv_blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.col_indices.device
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockLayout(seq_len_q={self.seq_len_q}, seq_len_kv={self.seq_len_kv}, "
+            f"q_block={self.q_block}, kv_block={self.kv_block}, layout_batch={self.layout_batch}, "
+            f"layout_heads={self.layout_heads}, nnz={self.nnz}, density={self.density:.4g}, "
+            f"device={self.device})"
+        )
+
+    def _validate(self) -> None:
+        offsets, cols = self.row_offsets, self.col_indices
+        shape = (self.num_layouts, self.num_q_blocks + 1)
+        if offsets.dim() != 2 or tuple(offsets.shape) != shape:
+            raise ValueError(
+                f"row_offsets must have shape [layout_batch * layout_heads, num_q_blocks + 1] = "
+                f"{list(shape)}, got {list(offsets.shape)}"
+            )
+        if cols.dim() != 1:
+            raise ValueError(f"col_indices must be 1-D [nnz], got shape {list(cols.shape)}")
+        if offsets.device != cols.device:
+            raise ValueError(
+                f"row_offsets is on {offsets.device} but col_indices on {cols.device}; "
+                "put both on one device"
+            )
+        if int(offsets[0, 0]) != 0:
+            raise ValueError(f"row_offsets must start at 0, got {int(offsets[0, 0])}")
+        if int(offsets[-1, -1]) != self.nnz:
+            raise ValueError(
+                f"row_offsets must end at nnz = len(col_indices) = {self.nnz}, "
+                f"got {int(offsets[-1, -1])}"
+            )
+        step = offsets[:, 1:] - offsets[:, :-1]
+        if bool((step < 0).any()):
+            head, row = (step < 0).nonzero()[0].tolist()
+            raise ValueError(
+                f"row_offsets must be non-decreasing: head {head}, row {row} ends before it starts"
+            )
+        if self.num_layouts > 1:
+            gaps = offsets[1:, 0] != offsets[:-1, -1]
+            if bool(gaps.any()):
+                head = _first_true(gaps) + 1
+                raise ValueError(
+                    f"row_offsets of head {head} must start where head {head - 1} ends "
+                    "(offsets are global into one col_indices)"
+                )
+        if self.nnz == 0:
+            return
+        bad = (cols < 0) | (cols >= self.num_kv_blocks)
+        if bool(bad.any()):
+            entry = _first_true(bad)
+            head, row = self._entry_row(entry)
+            raise ValueError(
+                f"col_indices[{entry}] = {int(cols[entry])} (head {head}, row {row}) is out of "
+                f"range [0, {self.num_kv_blocks}) kv blocks"
+            )
+        row_start = torch.zeros(self.nnz + 1, dtype=torch.bool, device=cols.device)
+        row_start[offsets.flatten().long()] = True
+        unsorted = (cols[1:] <= cols[:-1]) & ~row_start[1:-1]
+        if bool(unsorted.any()):
+            entry = _first_true(unsorted) + 1
+            head, row = self._entry_row(entry)
+            raise ValueError(
+                f"col_indices must be sorted ascending and unique within each row: head {head}, "
+                f"row {row} has {int(cols[entry])} after {int(cols[entry - 1])} at entry {entry}"
+            )
+
+    def _entry_row(self, entry: int) -> tuple[int, int]:
+        flat = self.row_offsets[:, :-1].flatten()
+        index = int(torch.searchsorted(flat, torch.tensor(entry, dtype=flat.dtype), right=True)) - 1
+        # Empty rows share an offset with the next one: search finds the last such row.
+        return divmod(index, self.num_q_blocks)
+
+    # ---- derived forms -------------------------------------------------------------
+    def row_counts(self) -> torch.Tensor:
+        """Active blocks per row, int64 [L * num_q_blocks]."""
+        return (self.row_offsets[:, 1:] - self.row_offsets[:, :-1]).flatten().long()
+
+    def entry_rows(self) -> torch.Tensor:
+        """Flat row id (layout * num_q_blocks + row) of each entry, int64 [nnz]."""
+        ids = torch.arange(self.num_layouts * self.num_q_blocks, device=self.device)
+        return torch.repeat_interleave(ids, self.row_counts(), output_size=self.nnz)
+
+    def keys(self) -> torch.Tensor:
+        """One int64 key per entry, ascending: (layout * num_q_blocks + row) * num_kv_blocks + col."""
+        return self.entry_rows() * self.num_kv_blocks + self.col_indices.long()
+
+    def transpose(self) -> BlockLayout:
+        """The CSC form, as a layout of kv-block rows listing the query blocks that use them."""
+        if self._transposed is None:
+            rows = self.entry_rows()
+            layout, row = rows // self.num_q_blocks, rows % self.num_q_blocks
+            keys = (layout * self.num_kv_blocks + self.col_indices.long()) * self.num_q_blocks + row
+            transposed = BlockLayout.from_keys(keys.sort().values, **self._transposed_meta())
+            transposed._transposed = self
+            self._transposed = transposed
+        return self._transposed
+
+    def _meta(self) -> dict:
+        return dict(
+            seq_len_q=self.seq_len_q,
+            seq_len_kv=self.seq_len_kv,
+            q_block=self.q_block,
+            kv_block=self.kv_block,
+            layout_batch=self.layout_batch,
+            layout_heads=self.layout_heads,
+        )
+
+    def _transposed_meta(self) -> dict:
+        return dict(
+            seq_len_q=self.seq_len_kv,
+            seq_len_kv=self.seq_len_q,
+            q_block=self.kv_block,
+            kv_block=self.q_block,
+            layout_batch=self.layout_batch,
+            layout_heads=self.layout_heads,
+        )
+
+    @classmethod
+    def from_keys(
+        cls,
+        keys: torch.Tensor,
+        *,
+        seq_len_q: int,
+        seq_len_kv: int,
+        q_block: int,
+        kv_block: int,
+        layout_batch: int = 1,
+        layout_heads: int = 1,
+    ) -> BlockLayout:
+        """Build from ascending unique int64 keys (layout * nq + row) * nk + col (see keys())."""
+        num_q_blocks = math.ceil(seq_len_q / q_block)
+        num_kv_blocks = math.ceil(seq_len_kv / kv_block)
+        num_layouts = layout_batch * layout_heads
+        counts = torch.bincount(keys // num_kv_blocks, minlength=num_layouts * num_q_blocks)
+        offsets = torch.zeros(num_layouts * num_q_blocks + 1, dtype=torch.int64, device=keys.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        # Row l is offsets[l * nq : (l + 1) * nq + 1]: consecutive rows share their boundary.
+        row_offsets = offsets.as_strided((num_layouts, num_q_blocks + 1), (num_q_blocks, 1))
+        return cls(
+            row_offsets.int(),
+            (keys % num_kv_blocks).int(),
+            seq_len_q=seq_len_q,
+            seq_len_kv=seq_len_kv,
+            q_block=q_block,
+            kv_block=kv_block,
+            layout_batch=layout_batch,
+            layout_heads=layout_heads,
+            validate=False,
+        )
+
+    def to_dense(self) -> torch.Tensor:
+        """bool [L, num_q_blocks, num_kv_blocks]; only for small layouts."""
+        size = self.num_layouts * self.num_q_blocks * self.num_kv_blocks
+        if size > DENSE_LIMIT:
+            raise ValueError(
+                f"to_dense() would allocate {size} elements (limit {DENSE_LIMIT}); "
+                "use show() or plot(), which work on the compressed form"
+            )
+        dense = torch.zeros(size, dtype=torch.bool, device=self.device)
+        dense[self.keys()] = True
+        return dense.view(self.num_layouts, self.num_q_blocks, self.num_kv_blocks)
+
+    def to(self, device: torch.device | str) -> BlockLayout:
+        return BlockLayout(
+            self.row_offsets.to(device), self.col_indices.to(device), **self._meta(), validate=False
+        )
+
+    def flops(self, head_dim: int) -> int:
+        """Forward FLOPs over the active blocks of all L layouts: 4 * rows * cols * D per block."""
+        rows = self.entry_rows() % self.num_q_blocks
+        q_len = (self.seq_len_q - rows * self.q_block).clamp(max=self.q_block)
+        kv_len = (self.seq_len_kv - self.col_indices.long() * self.kv_block).clamp(max=self.kv_block)
+        return 4 * head_dim * int((q_len * kv_len).sum())
+
+    # ---- set algebra ---------------------------------------------------------------
+    def expand(self, layout_batch: int, layout_heads: int) -> BlockLayout:
+        """Repeat a broadcast (size-1) batch or head dimension to the given sizes."""
+        if (layout_batch, layout_heads) == (self.layout_batch, self.layout_heads):
+            return self
+        for name, have, want in (
+            ("layout_batch", self.layout_batch, layout_batch),
+            ("layout_heads", self.layout_heads, layout_heads),
+        ):
+            if have not in (1, want):
+                raise ValueError(f"cannot broadcast {name} {have} to {want}; sizes must match or be 1")
+        batch = torch.arange(layout_batch, device=self.device)[:, None]
+        heads = torch.arange(layout_heads, device=self.device)[None, :]
+        source = (batch if self.layout_batch > 1 else 0) * self.layout_heads + (
+            heads if self.layout_heads > 1 else 0
+        )
+        source = source.flatten()  # [L_new] source layout of each new layout
+        offsets = self.row_offsets.long()
+        counts = offsets[source, -1] - offsets[source, 0]
+        starts = offsets[source, 0]
+        total = int(counts.sum())
+        new_layout = torch.repeat_interleave(torch.arange(source.numel(), device=self.device), counts)
+        first = torch.cumsum(counts, 0) - counts
+        entry = starts[new_layout] + torch.arange(total, device=self.device) - first[new_layout]
+        cols = self.col_indices[entry]
+        row_offsets = offsets[source] - starts[:, None] + first[:, None]
+        return BlockLayout(
+            row_offsets.int(),
+            cols,
+            **{**self._meta(), "layout_batch": layout_batch, "layout_heads": layout_heads},
+            validate=False,
+        )
+
+    def _aligned_keys(self, other: BlockLayout) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        if not isinstance(other, BlockLayout):
+            raise TypeError(f"expected a BlockLayout, got {type(other).__name__}")
+        for name in ("seq_len_q", "seq_len_kv", "q_block", "kv_block"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(
+                    f"layouts differ in {name}: {getattr(self, name)} vs {getattr(other, name)}; "
+                    "build both for the same sequence lengths and block sizes"
+                )
+        if self.device != other.device:
+            raise ValueError(f"layouts are on {self.device} and {other.device}; move one with .to()")
+        batch = max(self.layout_batch, other.layout_batch)
+        heads = max(self.layout_heads, other.layout_heads)
+        meta = {**self._meta(), "layout_batch": batch, "layout_heads": heads}
+        return self.expand(batch, heads).keys(), other.expand(batch, heads).keys(), meta
+
+    def __or__(self, other: BlockLayout) -> BlockLayout:
+        mine, theirs, meta = self._aligned_keys(other)
+        return BlockLayout.from_keys(torch.unique(torch.cat([mine, theirs])), **meta)
+
+    def __and__(self, other: BlockLayout) -> BlockLayout:
+        mine, theirs, meta = self._aligned_keys(other)
+        both = torch.cat([mine, theirs]).sort().values  # each side is unique: a repeat is shared
+        return BlockLayout.from_keys(both[1:][both[1:] == both[:-1]], **meta)
+
+    # ---- pictures ------------------------------------------------------------------
+    def show(self, max_blocks: int = 32, head: int = 0) -> str:
+        """ASCII picture of one layout head: [X] active, [ ] skipped (cut to max_blocks)."""
+        rows = min(self.num_q_blocks, max_blocks)
+        cols = min(self.num_kv_blocks, max_blocks)
+        start, end = self.row_offsets[head, 0].long(), self.row_offsets[head, rows].long()
+        picture = torch.zeros(rows * self.num_kv_blocks, dtype=torch.bool)
+        keys = self.keys()[start:end].cpu() - head * self.num_q_blocks * self.num_kv_blocks
+        picture[keys] = True
+        picture = picture.view(rows, self.num_kv_blocks)[:, :cols]
+        lines = [
+            "".join("[X]" if active else "[ ]" for active in line.tolist())
+            + (" ..." if cols < self.num_kv_blocks else "")
+            for line in picture
+        ]
+        if rows < self.num_q_blocks:
+            lines.append(f"... ({self.num_q_blocks} x {self.num_kv_blocks} blocks in all)")
+        return "\n".join(lines)
+
+    def plot(self, path: str, max_pixels: int = 512, max_heads: int = 16) -> None:
+        """PNG of the layout, one panel per layout head, binned to at most max_pixels a side."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        heads = min(self.num_layouts, max_heads)
+        row_bin = math.ceil(self.num_q_blocks / max_pixels)
+        col_bin = math.ceil(self.num_kv_blocks / max_pixels)
+        height = math.ceil(self.num_q_blocks / row_bin)
+        width = math.ceil(self.num_kv_blocks / col_bin)
+        rows = self.entry_rows().cpu()
+        cols = self.col_indices.long().cpu()
+        layout, row = rows // self.num_q_blocks, rows % self.num_q_blocks
+        keep = layout < heads
+        bins = (layout[keep] * height + row[keep] // row_bin) * width + cols[keep] // col_bin
+        fill = torch.bincount(bins, minlength=heads * height * width).view(heads, height, width)
+        fill = fill.float() / (row_bin * col_bin)
+        grid = math.ceil(math.sqrt(heads))
+        figure, axes = plt.subplots(
+            math.ceil(heads / grid), grid, figsize=(4 * grid, 4 * math.ceil(heads / grid)), squeeze=False
+        )
+        for index, axis in enumerate(axes.flat):
+            axis.set_axis_off()
+            if index < heads:
+                axis.imshow(fill[index].numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+                axis.set_title(f"head {index}: {self.num_q_blocks}x{self.num_kv_blocks} blocks")
+        figure.suptitle(f"density {self.density:.4g}, block {self.q_block}x{self.kv_block}")
+        figure.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(figure)

@@ -1,0 +1,21 @@
+"""Longformer: sliding window + global tokens."""
+
+from __future__ import annotations
+
+from flash_msa.layout import BlockLayout
+from flash_msa.patterns.global_tokens import global_tokens
+from flash_msa.patterns.sliding_window import sliding_window
+
+
+def longformer(
+    seq_len: int,
+    window: int,
+    num_global: int,
+    *,
+    causal: bool = False,
+    block_size: int = 128,
+    device=None,
+) -> BlockLayout:
+    """Union of sliding_window(window) and global_tokens(num_global) (Beltagy et al., 2020)."""
+    common = dict(causal=causal, block_size=block_size, device=device)
+    return sliding_window(seq_len, window, **common) | global_tokens(seq_len, num_global, **common)
