@@ -2,5 +2,7 @@
 
 from flash_msa import patterns
 from flash_msa.layout import BlockLayout
+from flash_msa.modules import FlashSparseAttention
+from flash_msa.ops.interface import block_sparse_attn_func
 
-__all__ = ["BlockLayout", "patterns"]
+__all__ = ["BlockLayout", "FlashSparseAttention", "block_sparse_attn_func", "patterns"]

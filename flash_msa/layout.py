@@ -165,7 +165,7 @@ class BlockLayout:
         return torch.repeat_interleave(ids, self.row_counts(), output_size=self.nnz)
 
     def keys(self) -> torch.Tensor:
-        """One int64 key per entry, ascending: (layout * num_q_blocks + row) * num_kv_blocks + col."""
+        """int64 [nnz], ascending: (layout * num_q_blocks + row) * num_kv_blocks + col."""
         return self.entry_rows() * self.num_kv_blocks + self.col_indices.long()
 
     def transpose(self) -> BlockLayout:
@@ -253,7 +253,9 @@ class BlockLayout:
         """Forward FLOPs over the active blocks of all L layouts: 4 * rows * cols * D per block."""
         rows = self.entry_rows() % self.num_q_blocks
         q_len = (self.seq_len_q - rows * self.q_block).clamp(max=self.q_block)
-        kv_len = (self.seq_len_kv - self.col_indices.long() * self.kv_block).clamp(max=self.kv_block)
+        kv_len = (self.seq_len_kv - self.col_indices.long() * self.kv_block).clamp(
+            max=self.kv_block
+        )
         return 4 * head_dim * int((q_len * kv_len).sum())
 
     # ---- set algebra ---------------------------------------------------------------
@@ -266,18 +268,21 @@ class BlockLayout:
             ("layout_heads", self.layout_heads, layout_heads),
         ):
             if have not in (1, want):
-                raise ValueError(f"cannot broadcast {name} {have} to {want}; sizes must match or be 1")
+                raise ValueError(
+                    f"cannot broadcast {name} {have} to {want}; sizes must match or be 1"
+                )
         batch = torch.arange(layout_batch, device=self.device)[:, None]
         heads = torch.arange(layout_heads, device=self.device)[None, :]
-        source = (batch if self.layout_batch > 1 else 0) * self.layout_heads + (
-            heads if self.layout_heads > 1 else 0
-        )
-        source = source.flatten()  # [L_new] source layout of each new layout
+        batch = batch if self.layout_batch > 1 else torch.zeros_like(batch)
+        heads = heads if self.layout_heads > 1 else torch.zeros_like(heads)
+        source = (batch * self.layout_heads + heads).expand(layout_batch, layout_heads).flatten()
         offsets = self.row_offsets.long()
         counts = offsets[source, -1] - offsets[source, 0]
         starts = offsets[source, 0]
         total = int(counts.sum())
-        new_layout = torch.repeat_interleave(torch.arange(source.numel(), device=self.device), counts)
+        new_layout = torch.repeat_interleave(
+            torch.arange(source.numel(), device=self.device), counts
+        )
         first = torch.cumsum(counts, 0) - counts
         entry = starts[new_layout] + torch.arange(total, device=self.device) - first[new_layout]
         cols = self.col_indices[entry]
@@ -299,7 +304,9 @@ class BlockLayout:
                     "build both for the same sequence lengths and block sizes"
                 )
         if self.device != other.device:
-            raise ValueError(f"layouts are on {self.device} and {other.device}; move one with .to()")
+            raise ValueError(
+                f"layouts are on {self.device} and {other.device}; move one with .to()"
+            )
         batch = max(self.layout_batch, other.layout_batch)
         heads = max(self.layout_heads, other.layout_heads)
         meta = {**self._meta(), "layout_batch": batch, "layout_heads": heads}
@@ -354,12 +361,17 @@ class BlockLayout:
         fill = fill.float() / (row_bin * col_bin)
         grid = math.ceil(math.sqrt(heads))
         figure, axes = plt.subplots(
-            math.ceil(heads / grid), grid, figsize=(4 * grid, 4 * math.ceil(heads / grid)), squeeze=False
+            math.ceil(heads / grid),
+            grid,
+            figsize=(4 * grid, 4 * math.ceil(heads / grid)),
+            squeeze=False,
         )
         for index, axis in enumerate(axes.flat):
             axis.set_axis_off()
             if index < heads:
-                axis.imshow(fill[index].numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+                axis.imshow(
+                    fill[index].numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest"
+                )
                 axis.set_title(f"head {index}: {self.num_q_blocks}x{self.num_kv_blocks} blocks")
         figure.suptitle(f"density {self.density:.4g}, block {self.q_block}x{self.kv_block}")
         figure.savefig(path, dpi=100, bbox_inches="tight")

@@ -34,7 +34,9 @@ def progression_rows(
     offsets = torch.zeros(count.numel() + 1, dtype=torch.int64, device=count.device)
     torch.cumsum(count, 0, out=offsets[1:])
     nnz = int(offsets[-1])
-    rows = torch.repeat_interleave(torch.arange(count.numel(), device=count.device), count, output_size=nnz)
+    rows = torch.repeat_interleave(
+        torch.arange(count.numel(), device=count.device), count, output_size=nnz
+    )
     position = torch.arange(nnz, device=count.device) - offsets[rows]
     cols = start[rows] + step * position
     return BlockLayout(offsets.int()[None], cols.int(), **meta, validate=False)

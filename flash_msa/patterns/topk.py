@@ -28,7 +28,9 @@ def topk(
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if bool(torch.isnan(block_scores).any()):
-        raise ValueError("block_scores contains NaN; replace it (e.g. with -inf to exclude a block)")
+        raise ValueError(
+            "block_scores contains NaN; replace it (e.g. with -inf to exclude a block)"
+        )
     scores = block_scores.to(device) if device is not None else block_scores
     num_q_blocks, num_kv_blocks = scores.shape[-2:]
     row = torch.arange(num_q_blocks, device=scores.device)[:, None]

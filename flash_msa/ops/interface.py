@@ -1,0 +1,195 @@
+"""block_sparse_attn_func: validation, backend dispatch and autograd."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from flash_msa.layout import BlockLayout
+from flash_msa.ops.torch_ref import block_sparse_attention_torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: torch only
+BACKENDS = ("auto", "torch", "triton")
+MAX_HEAD_DIM = 256
+
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, seq_len, heads, head_dim], got shape "
+                f"{list(tensor.shape)}"
+            )
+        if tensor.dtype not in DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 (or float64 with backend='torch'), "
+                f"got {tensor.dtype}"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them alike"
+        )
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has batch {q.shape[0]} but k, v have batch {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q has head_dim {q.shape[3]} but k, v have head_dim {k.shape[3]}")
+    head_dim = q.shape[3]
+    if head_dim > MAX_HEAD_DIM or head_dim % 8 != 0:
+        raise ValueError(
+            f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}; "
+            "pad the head dimension"
+        )
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv}) for GQA"
+        )
+
+
+def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None:
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(
+            f"layout must be a flash_msa.BlockLayout, got {type(layout).__name__}; "
+            "build one with flash_msa.patterns"
+        )
+    if layout.device != q.device:
+        raise ValueError(
+            f"layout is on {layout.device} but q on {q.device}; use layout.to(q.device)"
+        )
+    batch, seq_len_q, heads_q, _ = q.shape
+    seq_len_kv, heads_kv = k.shape[1], k.shape[2]
+    if (layout.seq_len_q, layout.seq_len_kv) != (seq_len_q, seq_len_kv):
+        raise ValueError(
+            f"layout is for seq_len_q={layout.seq_len_q}, seq_len_kv={layout.seq_len_kv} but q has "
+            f"{seq_len_q} and k, v have {seq_len_kv} tokens; build the layout for these lengths"
+        )
+    if layout.layout_batch not in (1, batch):
+        raise ValueError(
+            f"layout_batch {layout.layout_batch} must be 1 (shared) or the batch size {batch}"
+        )
+    if layout.layout_heads not in (1, heads_kv, heads_q):
+        raise ValueError(
+            f"layout_heads {layout.layout_heads} must be 1 (shared), H_kv={heads_kv} (one per GQA "
+            f"group) or H_q={heads_q} (one per query head)"
+        )
+
+
+def _check_options(causal, window_size, softmax_scale, dropout_p, backend, device, dtype) -> str:
+    """Validate the keyword options; returns the backend to run."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(
+            f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}"
+        )
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float))
+        and math.isfinite(softmax_scale)
+        and softmax_scale > 0
+    ):
+        raise ValueError(
+            f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
+        )
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0:
+        raise NotImplementedError("dropout_p > 0 is not supported yet; pass dropout_p=0.0")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 on the CPU; "
+            "use backend='torch' or 'auto'"
+        )
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+    if backend == "triton" and dtype == torch.float64:
+        raise TypeError(
+            "float64 runs on backend='torch' only; cast to float32 or pick that backend"
+        )
+    return backend
+
+
+class TritonBlockSparseAttention(torch.autograd.Function):
+    """Triton forward and backward; P is recomputed in the backward from q, k and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, causal, window_size, softmax_scale):
+        # Imported here: the kernels compile for the interpreter only if TRITON_INTERPRET
+        # is set when they are first imported.
+        from flash_msa.ops.triton.forward import attention_forward
+
+        out, lse = attention_forward(
+            q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=softmax_scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (layout, causal, window_size, softmax_scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        from flash_msa.ops.triton.backward import attention_backward
+
+        layout, causal, window_size, softmax_scale = ctx.options
+        dq, dk, dv = attention_backward(
+            grad_out,
+            *ctx.saved_tensors,
+            layout,
+            causal=causal,
+            window_size=window_size,
+            softmax_scale=softmax_scale,
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def block_sparse_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Attention over the blocks `layout` marks active.
+
+    q [B, S_q, H_q, D], k, v [B, S_kv, H_kv, D] with H_q % H_kv == 0 (GQA). Query i sees
+    key j when their blocks are active and the element masks allow it: causal keeps
+    j <= i, window_size = (left, right) keeps i - left <= j <= i + right (-1 unbounded).
+    Returns out [B, S_q, H_q, D] (zeros where a query sees nothing) and, with
+    return_lse, lse fp32 [B, H_q, S_q] (natural log; -inf where it sees nothing).
+    """
+    _check_tensors(q, k, v)
+    _check_layout(layout, q, k)
+    backend = _check_options(
+        causal, window_size, softmax_scale, dropout_p, backend, q.device, q.dtype
+    )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    window_size = tuple(window_size)
+    if backend == "torch":
+        out, lse = block_sparse_attention_torch(
+            q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=scale
+        )
+    else:
+        out, lse = TritonBlockSparseAttention.apply(q, k, v, layout, causal, window_size, scale)
+    return (out, lse) if return_lse else out

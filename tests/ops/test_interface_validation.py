@@ -1,0 +1,113 @@
+"""Bad input gets a ValueError or TypeError that names the value and the fix."""
+
+import pytest
+import torch
+
+from flash_msa import block_sparse_attn_func, patterns
+from flash_msa.testing import random_qkv
+
+LAYOUT = patterns.causal(64, block_size=16)
+
+
+def inputs(**changes):
+    q, k, v = random_qkv(2, 64, 4, 16, heads_kv=2)
+    args = {"q": q, "k": k, "v": v, "layout": LAYOUT, **changes}
+    return args
+
+
+CASES = [
+    ({"q": [1.0]}, {}, TypeError, "q must be a torch.Tensor, got list"),
+    ({"q": torch.randn(64, 4, 16)}, {}, ValueError, r"q must be 4-D .* got shape \[64, 4, 16\]"),
+    (
+        {"k": torch.randn(2, 64, 2, 16).long()},
+        {},
+        TypeError,
+        "k must be float16, .* got torch.int64",
+    ),
+    ({"v": torch.randn(2, 64, 2, 16).half()}, {}, TypeError, "share one dtype"),
+    ({"v": torch.randn(2, 64, 2, 8)}, {}, ValueError, "k and v must have the same shape"),
+    (
+        {"k": torch.randn(1, 64, 2, 16), "v": torch.randn(1, 64, 2, 16)},
+        {},
+        ValueError,
+        "q has batch 2 but k, v have batch 1",
+    ),
+    (
+        {"k": torch.randn(2, 64, 3, 16), "v": torch.randn(2, 64, 3, 16)},
+        {},
+        ValueError,
+        r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+    ),
+    (
+        {
+            "q": torch.randn(2, 64, 4, 12),
+            "k": torch.randn(2, 64, 2, 12),
+            "v": torch.randn(2, 64, 2, 12),
+        },
+        {},
+        ValueError,
+        "head_dim must be a multiple of 8 .* got 12",
+    ),
+    ({"q": torch.randn(2, 64, 4, 8)}, {}, ValueError, "q has head_dim 8 but k, v have head_dim 16"),
+    ({"layout": "causal"}, {}, TypeError, "layout must be a flash_msa.BlockLayout, got str"),
+    (
+        {"layout": patterns.causal(80, block_size=16)},
+        {},
+        ValueError,
+        "layout is for seq_len_q=80, seq_len_kv=80 but q has 64",
+    ),
+    (
+        {"layout": patterns.stack([LAYOUT] * 3)},
+        {},
+        ValueError,
+        r"layout_heads 3 must be 1 \(shared\), H_kv=2 .* or H_q=4",
+    ),
+    (
+        {
+            "layout": patterns.from_dense_mask(
+                torch.ones(3, 1, 4, 4, dtype=torch.bool), seq_len_q=64, block_size=16
+            )
+        },
+        {},
+        ValueError,
+        "layout_batch 3 must be 1 .* batch size 2",
+    ),
+    ({}, {"causal": 1}, TypeError, "causal must be a bool, got int"),
+    ({}, {"window_size": (4,)}, ValueError, r"window_size must be \(left, right\)"),
+    ({}, {"window_size": (-2, 0)}, ValueError, r"ints >= -1 .* got \(-2, 0\)"),
+    ({}, {"softmax_scale": -1.0}, ValueError, "softmax_scale must be a positive finite"),
+    ({}, {"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\), got 1.5"),
+    ({}, {"dropout_p": 0.1}, NotImplementedError, "dropout_p > 0 is not supported yet"),
+    ({}, {"backend": "cuda"}, ValueError, "backend must be one of .* got 'cuda'"),
+]
+
+
+@pytest.mark.parametrize("changes, options, error, match", CASES)
+def test_bad_input_is_rejected_with_the_fix(changes, options, error, match):
+    args = inputs(**changes)
+    with pytest.raises(error, match=match):
+        block_sparse_attn_func(args["q"], args["k"], args["v"], args["layout"], **options)
+
+
+def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = inputs()
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        block_sparse_attn_func(args["q"], args["k"], args["v"], LAYOUT, backend="triton")
+
+
+def test_float64_is_for_the_torch_backend_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64 runs on backend='torch' only"):
+        block_sparse_attn_func(q, k, v, LAYOUT, backend="triton")
+    assert block_sparse_attn_func(q, k, v, LAYOUT).dtype == torch.float64
+
+
+def test_layout_on_another_device_is_rejected():
+    layout = LAYOUT.to("meta")
+    args = inputs()
+    with pytest.raises(
+        ValueError, match=r"layout is on meta but q on cpu; use layout.to\(q.device\)"
+    ):
+        block_sparse_attn_func(args["q"], args["k"], args["v"], layout)
