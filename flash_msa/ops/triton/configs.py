@@ -1,0 +1,118 @@
+"""Tile sizes and autotune configs of the Triton kernels, keyed by head dim and block size.
+
+Tile sizes that set the grid or the GQA packing (query rows per program, key rows of
+the dK/dV program) are chosen here in Python; the inner tile (the other side of each
+S = Q K^T tile), num_warps and num_stages are left to triton.autotune. Under
+TRITON_INTERPRET=1 every kernel gets one config, since the interpreter cannot time them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import triton
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Backport of triton-lang/triton#9172 (after 3.6.0): the interpreter holds scalars as
+    1-element arrays and takes int() of them for `range(start, end)` bounds, which
+    NumPy >= 2.4 refuses; read the element explicitly instead. Interpreter only."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "scalar_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_scalar_index()
+
+
+class RowTile(NamedTuple):
+    """A tile of ROWS positions x PACK query heads (BLOCK_M = ROWS * PACK rows)."""
+
+    rows: int
+    pack: int
+
+
+def _largest_power_of_two_dividing(value: int) -> int:
+    return value & -value
+
+
+def row_tile(block: int, max_rows: int, group: int, shared_layout: bool) -> RowTile:
+    """Rows of one program's query tile, within one q block of `block` positions.
+
+    A query block smaller than max_rows leaves room for more query heads of the GQA
+    group (FlashAttention-3's pack_gqa), which then share each K/V tile the program
+    loads; only possible when the group's heads share a layout row (shared_layout).
+    PACK stays a power of two dividing the group so that BLOCK_M is a power of two.
+    """
+    rows = min(block, max_rows)
+    pack = 1
+    if shared_layout:
+        pack = min(_largest_power_of_two_dividing(group), max_rows // rows)
+    return RowTile(rows, pack)
+
+
+def max_query_rows(head_dim_pad: int, kernel: str) -> int:
+    """BLOCK_M limit so that Q (and dO, dQ) tiles plus the accumulator fit in registers."""
+    if kernel == "forward":
+        return 128 if head_dim_pad <= 128 else 64
+    if kernel == "dq":
+        return 128 if head_dim_pad <= 64 else 64
+    return 64  # dkdv: the query side is the inner loop; FlashAttention-2 uses 64 there
+
+
+def dkdv_kv_rows(head_dim_pad: int, kv_block: int) -> int:
+    """Key rows of one dK/dV program (they hold K, V, dK, dV on chip)."""
+    return min(kv_block, 128 if head_dim_pad <= 64 else 64)
+
+
+def _configs(inner_sizes: list[int | None], warps: tuple, stages: tuple) -> list[triton.Config]:
+    return [
+        triton.Config({} if size is None else {"BLOCK_N": size}, num_warps=w, num_stages=s)
+        for size in inner_sizes
+        for w in warps
+        for s in stages
+    ]
+
+
+def _inner_sizes(kv_block: int, candidates: tuple[int, ...]) -> list[int]:
+    return sorted({min(kv_block, size) for size in candidates})
+
+
+def forward_configs(head_dim_pad: int, kv_block: int) -> list[triton.Config]:
+    """Forward: BLOCK_N (key rows per step, dividing kv_block), warps and stages."""
+    big = head_dim_pad > 128
+    if interpreting():  # 64 < kv_block 128 keeps the sub-block steps under test
+        return _configs([min(kv_block, 64)], (4,), (1,))
+    sizes = _inner_sizes(kv_block, (32, 64) if big else (64, 128))
+    return _configs(sizes, (4, 8), (1, 2) if big else (2, 3, 4))
+
+
+def dq_configs(head_dim_pad: int, kv_block: int) -> list[triton.Config]:
+    """dQ: BLOCK_N per step (K and V tiles, plus P and dP of BLOCK_M x BLOCK_N)."""
+    big = head_dim_pad > 128
+    if interpreting():
+        return _configs([min(kv_block, 64)], (4,), (1,))
+    sizes = _inner_sizes(kv_block, (16, 32) if big else (32, 64))
+    return _configs(sizes, (4, 8), (1, 2) if big else (2, 3))
+
+
+def dkdv_configs(head_dim_pad: int) -> list[triton.Config]:
+    """dK/dV: both tile sides are fixed by row_tile / dkdv_kv_rows; warps and stages."""
+    if interpreting():
+        return _configs([None], (4,), (1,))
+    return _configs([None], (4, 8), (1, 2) if head_dim_pad > 128 else (2, 3))

@@ -1,0 +1,312 @@
+"""Block-sparse attention forward: FlashAttention-2 over the active blocks of a BlockLayout.
+
+One program owns a query tile of ROWS positions x PACK query heads (PACK > 1 packs the
+heads of a GQA group that share a layout row, so each K/V tile is loaded once for all of
+them) and walks that q block's CSR row: only active blocks cost work. Online softmax in
+fp32 with exp2; element masks (causal, window, ragged kv end) only on partial tiles.
+
+The jit helpers here (tile rows, masks, loads, launch arguments) are shared with the
+backward kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_msa.layout import BlockLayout
+from flash_msa.ops.triton import configs
+
+LOG2_E = 1.4426950408889634
+LN_2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+# ---- shared jit helpers ------------------------------------------------------------------
+@triton.jit
+def _packed_rows(first_position, first_head, ROWS: tl.constexpr, PACK: tl.constexpr):
+    """Positions and query heads of the BLOCK_M = ROWS * PACK rows of a packed tile.
+
+    Heads vary fastest: the PACK heads of one position are adjacent in memory ([S, H, D]).
+    """
+    rows = tl.arange(0, ROWS * PACK)  # [BLOCK_M]
+    return first_position + rows // PACK, first_head + rows % PACK  # [BLOCK_M], [BLOCK_M]
+
+
+@triton.jit
+def _row_offsets(positions, heads, stride_s, stride_h):
+    """int64 element offsets of (position, head) rows: S * H * D may pass 2^31."""
+    return positions.to(tl.int64) * stride_s + heads.to(tl.int64) * stride_h  # [R]
+
+
+@triton.jit
+def _load_rows(base, row_offsets, row_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Load a [R, HEAD_DIM_PAD] tile; invalid rows and padded dims read as 0."""
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)  # [R, D_PAD]
+    return tl.load(base + row_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(
+    base, row_offsets, row_valid, tile, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr
+):
+    """Store a [R, HEAD_DIM_PAD] tile, cast to the buffer's dtype, skipping padding."""
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)  # [R, D_PAD]
+    tl.store(base + row_offsets[:, None] + dims[None, :], tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_is_partial(
+    query_first,
+    query_last,
+    key_first,
+    KEY_ROWS: tl.constexpr,
+    seq_len_kv,
+    window_left,
+    window_right,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Whether a (queries [first, last] x KEY_ROWS keys from key_first) tile needs the
+    element mask: scalar comparisons of its bounds, so full tiles skip all mask work.
+    Causal is folded into the right window (right = 0)."""
+    key_last = key_first + KEY_ROWS - 1
+    partial = key_last >= seq_len_kv
+    if HAS_RIGHT:
+        partial = partial | (key_last > query_first + window_right)
+    if HAS_LEFT:
+        partial = partial | (key_first < query_last - window_left)
+    return partial
+
+
+@triton.jit
+def _visible(
+    query_positions,
+    key_positions,
+    seq_len_kv,
+    window_left,
+    window_right,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Element mask of reference.visible (plus key < seq_len_kv); broadcasts its inputs
+    ([M, 1] x [1, N] in the forward, [1, M] x [N, 1] in dK/dV)."""
+    keep = key_positions < seq_len_kv
+    if HAS_RIGHT:
+        keep = keep & (key_positions <= query_positions + window_right)
+    if HAS_LEFT:
+        keep = keep & (key_positions >= query_positions - window_left)
+    return keep
+
+
+# ---- forward kernel ----------------------------------------------------------------------
+@triton.jit
+def _forward_kernel(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    row_offsets,
+    col_indices,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_lse_b,
+    stride_lse_h,
+    stride_layout,
+    seq_len_q,
+    seq_len_kv,
+    group,
+    layout_batch_stride,
+    layout_head_divisor,
+    qk_scale,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    PACK: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(S_q, ROWS), H_q // PACK, B). qk_scale = softmax_scale * log2(e)."""
+    tile = tl.program_id(0)
+    first_head = tl.program_id(1) * PACK
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = first_head // group
+    query_first = tile * ROWS
+    query_last = query_first + ROWS - 1
+
+    positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M], [BLOCK_M]
+    row_valid = positions < seq_len_q  # [BLOCK_M]
+    q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
+    q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+
+    k_base = k + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+    key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+
+    # The group's heads in this tile share one layout row (PACK > 1 only if they do).
+    layout = batch * layout_batch_stride + first_head // layout_head_divisor
+    row = row_offsets + layout * stride_layout + query_first // Q_BLOCK
+    # A kv block of KV_BLOCK keys is walked in KV_BLOCK // BLOCK_N steps of BLOCK_N.
+    steps_per_block: tl.constexpr = KV_BLOCK // BLOCK_N
+    step_start = tl.load(row) * steps_per_block
+    step_end = tl.load(row + 1) * steps_per_block
+
+    row_max = tl.full([ROWS * PACK], float("-inf"), tl.float32)  # [BLOCK_M], log2 units
+    row_sum = tl.zeros([ROWS * PACK], tl.float32)  # [BLOCK_M]
+    acc = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
+    for step in range(step_start, step_end):
+        key_first = tl.load(col_indices + step // steps_per_block) * KV_BLOCK
+        key_first += (step % steps_per_block) * BLOCK_N
+        key_positions = key_first + key_range  # [BLOCK_N]
+        key_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
+        key_valid = key_positions < seq_len_kv  # [BLOCK_N]
+        k_tile = _load_rows(k_base, key_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
+        v_rows = key_positions.to(tl.int64) * stride_vs  # [BLOCK_N]
+        v_tile = _load_rows(v_base, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
+
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if _tile_is_partial(
+            query_first,
+            query_last,
+            key_first,
+            BLOCK_N,
+            seq_len_kv,
+            window_left,
+            window_right,
+            HAS_LEFT,
+            HAS_RIGHT,
+        ):
+            keep = _visible(
+                positions[:, None],
+                key_positions[None, :],
+                seq_len_kv,
+                window_left,
+                window_right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )
+            scores = tl.where(keep, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
+        # A row with nothing visible yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # [BLOCK_M]
+        probs = tl.math.exp2(scores - shift[:, None])  # [BLOCK_M, BLOCK_N]
+        rescale = tl.math.exp2(row_max - shift)  # [BLOCK_M]
+        row_sum = row_sum * rescale + tl.sum(probs, 1)  # [BLOCK_M]
+        acc = acc * rescale[:, None]  # [BLOCK_M, D_PAD]
+        acc = tl.dot(probs.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    empty = row_sum == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
+    safe_sum = tl.where(empty, 1.0, row_sum)  # [BLOCK_M]
+    acc = acc / safe_sum[:, None]  # [BLOCK_M, D_PAD]
+    o_rows = _row_offsets(positions, heads, stride_os, stride_oh)  # [BLOCK_M]
+    _store_rows(out + batch * stride_ob, o_rows, row_valid, acc, HEAD_DIM, HEAD_DIM_PAD)
+    log_sum = tl.where(empty, float("-inf"), (row_max + tl.math.log2(safe_sum)) * LN_2)
+    lse_offsets = heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
+    tl.store(lse + batch * stride_lse_b + lse_offsets, log_sum, mask=row_valid)
+
+
+# ---- launch helpers (shared with backward.py) ------------------------------------------------
+def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels index rows by stride but read each row's D values contiguously."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def layout_arguments(layout: BlockLayout, heads_q: int, heads_kv: int) -> tuple[int, int]:
+    """(layout_batch_stride, layout_head_divisor): layout of (b, h) = b * stride + h // divisor."""
+    batch_stride = layout.layout_heads if layout.layout_batch > 1 else 0
+    divisor = {1: heads_q, heads_kv: heads_q // heads_kv, heads_q: 1}[layout.layout_heads]
+    return batch_stride, divisor
+
+
+def mask_arguments(causal: bool, window_size: tuple[int, int]) -> dict:
+    """Causal is the right window 0 (j <= i); a negative bound is unbounded."""
+    left, right = window_size
+    if causal:
+        right = 0  # j <= i and j <= i + right (right >= 0) is j <= i
+    return dict(
+        window_left=max(left, 0),
+        window_right=max(right, 0),
+        HAS_LEFT=left >= 0,
+        HAS_RIGHT=right >= 0,
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (tests want < 1e-4); fp16/bf16 ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def head_dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def packing(layout: BlockLayout, block: int, max_rows: int, heads_q: int, heads_kv: int):
+    shared = layout.layout_heads in (1, heads_kv)
+    return configs.row_tile(block, max_rows, heads_q // heads_kv, shared)
+
+
+AUTOTUNE_KEY = ["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT"]
+
+
+@functools.cache
+def _tuned_forward(head_dim_padded: int, kv_block: int):
+    configs_list = configs.forward_configs(head_dim_padded, kv_block)
+    return triton.autotune(configs=configs_list, key=AUTOTUNE_KEY)(_forward_kernel)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D] -> out like q, lse fp32 [B, H_q, S_q]."""
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    batch, seq_len_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, heads_q, seq_len_q, dtype=torch.float32, device=q.device)
+    padded = head_dim_pad(head_dim)
+    max_rows = configs.max_query_rows(padded, "forward")
+    tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
+    layout_batch_stride, layout_head_divisor = layout_arguments(layout, heads_q, heads_kv)
+    row_offsets = layout.row_offsets.contiguous()
+    grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
+    _tuned_forward(padded, layout.kv_block)[grid](
+        q, k, v, out, lse, row_offsets, layout.col_indices,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        lse.stride(0), lse.stride(1), row_offsets.stride(0),
+        seq_len_q, k.shape[1], heads_q // heads_kv, layout_batch_stride, layout_head_divisor,
+        softmax_scale * LOG2_E,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
+        ROWS=tile.rows, PACK=tile.pack, DOT_PRECISION=dot_precision(q.dtype),
+        **mask_arguments(causal, window_size),
+    )  # fmt: skip
+    return out, lse

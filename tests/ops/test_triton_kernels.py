@@ -1,0 +1,262 @@
+"""Triton kernels against the float64 dense reference (CPU: through TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from flash_msa.layout import BlockLayout
+from flash_msa.ops.triton import attention_backward, attention_forward
+from flash_msa.reference import attention_reference, layout_mask
+from flash_msa.testing import random_qkv, relative_error
+
+TOLERANCE_FP32 = 1e-4
+
+
+def layout_from_block_mask(
+    mask: torch.Tensor,
+    seq_len_q: int,
+    seq_len_kv: int,
+    q_block: int,
+    kv_block: int,
+    layout_batch: int,
+    layout_heads: int,
+) -> BlockLayout:
+    """BlockLayout of a dense bool block mask [L, num_q_blocks, num_kv_blocks]."""
+    return BlockLayout.from_keys(
+        mask.flatten().nonzero().flatten(),
+        seq_len_q=seq_len_q,
+        seq_len_kv=seq_len_kv,
+        q_block=q_block,
+        kv_block=kv_block,
+        layout_batch=layout_batch,
+        layout_heads=layout_heads,
+    )
+
+
+@dataclass
+class Case:
+    """One attention problem: shapes, layout broadcasting, element masks."""
+
+    batch: int = 1
+    seq_len_q: int = 64
+    seq_len_kv: int | None = None
+    heads_q: int = 2
+    heads_kv: int = 2
+    head_dim: int = 32
+    q_block: int = 32
+    kv_block: int = 32
+    layout_batch: int = 1
+    layout_heads: str = "1"  # "1", "kv" or "q"
+    causal: bool = False
+    window_size: tuple[int, int] = (-1, -1)
+    density: float = 0.7
+    empty_rows: bool = False  # row 0 without blocks, row 1 with only blocks causal hides
+    strided: bool = False  # q/k/v as views of [B, H, S, D] storage
+    seed: int = 0
+    kv_len: int = field(init=False)
+
+    def __post_init__(self):
+        self.kv_len = self.seq_len_q if self.seq_len_kv is None else self.seq_len_kv
+
+    def layout(self) -> BlockLayout:
+        heads = {"1": 1, "kv": self.heads_kv, "q": self.heads_q}[self.layout_heads]
+        num_q_blocks = math.ceil(self.seq_len_q / self.q_block)
+        num_kv_blocks = math.ceil(self.kv_len / self.kv_block)
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        shape = (self.layout_batch * heads, num_q_blocks, num_kv_blocks)
+        mask = torch.rand(shape, generator=generator) < self.density
+        if self.empty_rows:
+            mask[:, 0] = False
+            mask[:, 1] = False
+            mask[:, 1, -1] = True  # above the diagonal of q block 1: causal hides it all
+        return layout_from_block_mask(
+            mask, self.seq_len_q, self.kv_len, self.q_block, self.kv_block, self.layout_batch, heads
+        )
+
+    def inputs(self, dtype=torch.float32, device="cpu"):
+        q, k, v = random_qkv(
+            self.batch,
+            self.seq_len_q,
+            self.heads_q,
+            self.head_dim,
+            seq_len_kv=self.kv_len,
+            heads_kv=self.heads_kv,
+            dtype=dtype,
+            device=device,
+            seed=self.seed,
+        )
+        if self.strided:  # [B, S, H, D] views of [B, H, S, D] storage
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        return q, k, v
+
+    def options(self) -> dict:
+        return dict(
+            causal=self.causal,
+            window_size=self.window_size,
+            softmax_scale=1.0 / math.sqrt(self.head_dim),
+        )
+
+
+CASES = {
+    "dense-mha": Case(batch=2, seq_len_q=128, density=1.0),
+    "causal-gqa2-ragged-layout-per-batch-kvhead": Case(
+        batch=2, seq_len_q=100, heads_q=4, heads_kv=2, q_block=32, kv_block=16,
+        layout_batch=2, layout_heads="kv", causal=True,
+    ),
+    "window-left-gqa4-packed-sq<skv": Case(
+        seq_len_q=96, seq_len_kv=150, heads_q=8, heads_kv=2, head_dim=16, q_block=16,
+        kv_block=32, window_size=(40, -1), density=0.8,
+    ),
+    "window-both-gqa8-layout-per-qhead": Case(
+        batch=2, seq_len_q=80, heads_q=8, heads_kv=1, head_dim=64, q_block=16, kv_block=16,
+        layout_heads="q", window_size=(24, 8), density=0.8,
+    ),
+    "causal-window-sq>skv": Case(
+        seq_len_q=150, seq_len_kv=70, heads_q=2, heads_kv=1, q_block=32, kv_block=64,
+        layout_heads="kv", causal=True, window_size=(33, -1), density=0.9,
+    ),
+    "qblock128-subtiles-causal": Case(
+        seq_len_q=200, heads_q=2, heads_kv=2, head_dim=16, q_block=128, kv_block=64,
+        causal=True, density=0.9,
+    ),
+    "kvblock128-subtiles-gqa2-layout-per-batch": Case(
+        batch=2, seq_len_q=160, seq_len_kv=200, heads_q=2, heads_kv=1, head_dim=16,
+        q_block=64, kv_block=128, layout_batch=2, density=0.8,
+    ),
+    "head-dim-48": Case(
+        seq_len_q=40, seq_len_kv=56, head_dim=48, q_block=16, kv_block=32, causal=True,
+        density=0.9,
+    ),
+    "empty-rows-causal-gqa2": Case(
+        batch=2, seq_len_q=128, heads_q=4, heads_kv=2, q_block=16, kv_block=32,
+        layout_heads="kv", causal=True, empty_rows=True,
+    ),
+    "strided-inputs-window-right": Case(
+        seq_len_q=72, heads_q=4, heads_kv=4, head_dim=32, q_block=16, kv_block=16,
+        layout_heads="q", window_size=(-1, 20), strided=True,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Fill every floating buffer the kernels allocate with NaN: unwritten elements fail."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor):
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+def reference(case: Case, q, k, v, grad_out=None):
+    """float64 out, lse and (with grad_out) dq, dk, dv on the layout's dense mask."""
+    layout = case.layout()
+    mask = layout_mask(
+        layout, case.batch, case.heads_q, causal=case.causal, window_size=case.window_size
+    )
+    q, k, v = (t.detach().double().requires_grad_(grad_out is not None) for t in (q, k, v))
+    out, lse = attention_reference(q, k, v, mask, case.options()["softmax_scale"])
+    if grad_out is None:
+        return out, lse
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.double())
+    return (out, lse, *grads)
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, like: torch.Tensor):
+    assert actual.shape == like.shape and actual.dtype == like.dtype, name
+    error = relative_error(actual, expected)
+    assert error < TOLERANCE_FP32, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_backward_match_reference(name, poisoned_allocations):
+    case = CASES[name]
+    layout = case.layout()
+    q, k, v = case.inputs()
+    out, lse = attention_forward(q, k, v, layout, **case.options())
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(case, q, k, v, grad_out)
+    check("out", out, ref_out, q)
+    check("lse", lse, ref_lse, ref_lse.float())
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
+    check("dq", dq, ref_dq, q)
+    check("dk", dk, ref_dk, k)
+    check("dv", dv, ref_dv, v)
+
+
+def test_empty_rows_give_zeros_and_minus_inf():
+    case = CASES["empty-rows-causal-gqa2"]
+    q, k, v = case.inputs()
+    out, lse = attention_forward(q, k, v, case.layout(), **case.options())
+    rows = slice(0, 2 * case.q_block)  # q block 0 has no blocks, block 1 only hidden ones
+    assert torch.equal(out[:, rows], torch.zeros_like(out[:, rows]))
+    assert bool((lse[:, :, rows] == float("-inf")).all())
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, case.layout(), **case.options())
+    assert torch.equal(dq[:, rows], torch.zeros_like(dq[:, rows]))
+    assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
+
+
+# ---- GPU: half precision against PyTorch's own error, determinism -------------------------
+GPU_CASES = {
+    "causal-gqa4-64": Case(
+        batch=2, seq_len_q=1000, heads_q=8, heads_kv=2, head_dim=64, q_block=64, kv_block=64,
+        layout_heads="kv", causal=True, density=0.5,
+    ),
+    "window-mha-128": Case(
+        batch=1, seq_len_q=1100, seq_len_kv=900, heads_q=4, heads_kv=4, head_dim=128,
+        q_block=128, kv_block=64, layout_heads="q", window_size=(300, 50), density=0.6,
+    ),
+    "gqa2-96-empty-rows": Case(
+        batch=2, seq_len_q=700, heads_q=4, heads_kv=2, head_dim=96, q_block=64, kv_block=128,
+        layout_batch=2, causal=True, empty_rows=True, density=0.5,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_half_precision_within_twice_torch_error(name, dtype, poisoned_allocations):
+    """FlashAttention's rule: error vs float64 at most 2x that of PyTorch in the same dtype."""
+    case = GPU_CASES[name]
+    layout = case.layout().to("cuda")
+    q, k, v = case.inputs(dtype, "cuda")
+    grad_out = torch.randn(q.shape, dtype=dtype, device="cuda")
+    out, lse = attention_forward(q, k, v, layout, **case.options())
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
+    exact = reference(case, q, k, v, grad_out)
+    mask = layout_mask(layout, case.batch, case.heads_q, causal=case.causal,
+                       window_size=case.window_size)  # fmt: skip
+    q_half, k_half, v_half = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    torch_out, torch_lse = attention_reference(
+        q_half, k_half, v_half, mask, case.options()["softmax_scale"]
+    )
+    torch_grads = torch.autograd.grad(torch_out, (q_half, k_half, v_half), grad_out)
+    labels = ("out", "lse", "dq", "dk", "dv")
+    ours = (out, lse, dq, dk, dv)
+    theirs = (torch_out, torch_lse, *torch_grads)
+    for label, mine, torch_value, truth in zip(labels, ours, theirs, exact, strict=True):
+        assert mine.dtype == (torch.float32 if label == "lse" else dtype), label
+        error, torch_error = relative_error(mine, truth), relative_error(torch_value, truth)
+        assert error <= 2 * torch_error + 1e-6, f"{label}: {error:.3g} vs torch {torch_error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_backward_is_deterministic(name):
+    case = GPU_CASES[name]
+    layout = case.layout().to("cuda")
+    q, k, v = case.inputs(torch.bfloat16, "cuda")
+    out, lse = attention_forward(q, k, v, layout, **case.options())
+    grad_out = torch.randn_like(out)
+    first = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
+    second = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
