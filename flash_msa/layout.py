@@ -314,12 +314,23 @@ class BlockLayout:
 
     def __or__(self, other: BlockLayout) -> BlockLayout:
         mine, theirs, meta = self._aligned_keys(other)
-        return BlockLayout.from_keys(torch.unique(torch.cat([mine, theirs])), **meta)
+        # Merge two ascending key arrays: each key's place is its rank in both.
+        merged = torch.empty(mine.numel() + theirs.numel(), dtype=mine.dtype, device=mine.device)
+        merged[
+            torch.searchsorted(theirs, mine) + torch.arange(mine.numel(), device=mine.device)
+        ] = mine
+        merged[
+            torch.searchsorted(mine, theirs, right=True)
+            + torch.arange(theirs.numel(), device=mine.device)
+        ] = theirs
+        return BlockLayout.from_keys(torch.unique_consecutive(merged), **meta)
 
     def __and__(self, other: BlockLayout) -> BlockLayout:
         mine, theirs, meta = self._aligned_keys(other)
-        both = torch.cat([mine, theirs]).sort().values  # each side is unique: a repeat is shared
-        return BlockLayout.from_keys(both[1:][both[1:] == both[:-1]], **meta)
+        if theirs.numel() == 0:
+            return BlockLayout.from_keys(theirs, **meta)
+        place = torch.searchsorted(theirs, mine).clamp(max=theirs.numel() - 1)
+        return BlockLayout.from_keys(mine[theirs[place] == mine], **meta)
 
     # ---- pictures ------------------------------------------------------------------
     def show(self, max_blocks: int = 32, head: int = 0) -> str:

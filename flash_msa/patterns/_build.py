@@ -34,12 +34,11 @@ def progression_rows(
     offsets = torch.zeros(count.numel() + 1, dtype=torch.int64, device=count.device)
     torch.cumsum(count, 0, out=offsets[1:])
     nnz = int(offsets[-1])
-    rows = torch.repeat_interleave(
-        torch.arange(count.numel(), device=count.device), count, output_size=nnz
-    )
-    position = torch.arange(nnz, device=count.device) - offsets[rows]
-    cols = start[rows] + step * position
-    return BlockLayout(offsets.int()[None], cols.int(), **meta, validate=False)
+    # col = start[r] + step * (entry - offsets[r]): one repeat of a per-row base, in int32.
+    base = (start - step * offsets[:-1]).int()
+    cols = torch.repeat_interleave(base, count, output_size=nnz)
+    cols += step * torch.arange(nnz, dtype=torch.int32, device=count.device)
+    return BlockLayout(offsets.int()[None], cols, **meta, validate=False)
 
 
 def band_rows(lower: torch.Tensor, upper: torch.Tensor, meta: dict) -> BlockLayout:
