@@ -179,6 +179,14 @@ class BlockLayout:
             self._transposed = transposed
         return self._transposed
 
+    def attach_transpose(self, row_offsets: torch.Tensor, col_indices: torch.Tensor) -> BlockLayout:
+        """Adopt an already computed CSC form (the tensors of a transpose() result)."""
+        transposed = BlockLayout(
+            row_offsets, col_indices, **self._transposed_meta(), validate=False
+        )
+        self._transposed, transposed._transposed = transposed, self
+        return self
+
     def _meta(self) -> dict:
         return dict(
             seq_len_q=self.seq_len_q,
@@ -215,9 +223,9 @@ class BlockLayout:
         num_q_blocks = math.ceil(seq_len_q / q_block)
         num_kv_blocks = math.ceil(seq_len_kv / kv_block)
         num_layouts = layout_batch * layout_heads
-        counts = torch.bincount(keys // num_kv_blocks, minlength=num_layouts * num_q_blocks)
-        offsets = torch.zeros(num_layouts * num_q_blocks + 1, dtype=torch.int64, device=keys.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
+        # Keys are sorted, so row r starts at the first key of a row >= r.
+        boundaries = torch.arange(num_layouts * num_q_blocks + 1, device=keys.device)
+        offsets = torch.searchsorted(keys // num_kv_blocks, boundaries)
         # Row l is offsets[l * nq : (l + 1) * nq + 1]: consecutive rows share their boundary.
         row_offsets = offsets.as_strided((num_layouts, num_q_blocks + 1), (num_q_blocks, 1))
         return cls(

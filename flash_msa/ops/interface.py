@@ -125,37 +125,100 @@ def _check_options(causal, window_size, softmax_scale, dropout_p, backend, devic
     return backend
 
 
-class TritonBlockSparseAttention(torch.autograd.Function):
-    """Triton forward and backward; P is recomputed in the backward from q, k and lse."""
+LAYOUT_SIZES = ("seq_len_q", "seq_len_kv", "q_block", "kv_block", "layout_batch", "layout_heads")
 
-    @staticmethod
-    def forward(ctx, q, k, v, layout, causal, window_size, softmax_scale):
-        # Imported here: the kernels compile for the interpreter only if TRITON_INTERPRET
-        # is set when they are first imported.
-        from flash_msa.ops.triton.forward import attention_forward
 
-        out, lse = attention_forward(
-            q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=softmax_scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (layout, causal, window_size, softmax_scale)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+def _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes) -> BlockLayout:
+    """Rebuild the (already validated) layout and its transposed form inside the ops."""
+    layout = BlockLayout(
+        row_offsets, col_indices, **dict(zip(LAYOUT_SIZES, sizes, strict=True)), validate=False
+    )
+    return layout.attach_transpose(t_row_offsets, t_col_indices)
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        from flash_msa.ops.triton.backward import attention_backward
 
-        layout, causal, window_size, softmax_scale = ctx.options
-        dq, dk, dv = attention_backward(
-            grad_out,
-            *ctx.saved_tensors,
-            layout,
-            causal=causal,
-            window_size=window_size,
-            softmax_scale=softmax_scale,
-        )
-        return dq, dk, dv, None, None, None, None
+# The Triton path is a torch.library custom op so that torch.compile traces through it;
+# the layout travels as its CSR and CSC tensors plus its sizes.
+@torch.library.custom_op("flash_msa::sparse_attention_forward", mutates_args=())
+def _sparse_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row_offsets: torch.Tensor,
+    col_indices: torch.Tensor,
+    t_row_offsets: torch.Tensor,
+    t_col_indices: torch.Tensor,
+    sizes: list[int],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Imported here: the kernels compile for the interpreter only if TRITON_INTERPRET
+    # is set when they are first imported.
+    from flash_msa.ops.triton.forward import attention_forward
+
+    layout = _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    return attention_forward(
+        q, k, v, layout, causal=causal, window_size=(window_left, window_right),
+        softmax_scale=softmax_scale,
+    )  # fmt: skip
+
+
+@_sparse_attention_forward.register_fake
+def _(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes, *options):
+    batch, seq_len_q, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seq_len_q), dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+
+
+@torch.library.custom_op("flash_msa::sparse_attention_backward", mutates_args=())
+def _sparse_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    row_offsets: torch.Tensor,
+    col_indices: torch.Tensor,
+    t_row_offsets: torch.Tensor,
+    t_col_indices: torch.Tensor,
+    sizes: list[int],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from flash_msa.ops.triton.backward import attention_backward
+
+    layout = _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    return attention_backward(
+        grad_out, q, k, v, out, lse, layout, causal=causal,
+        window_size=(window_left, window_right), softmax_scale=softmax_scale,
+    )  # fmt: skip
+
+
+@_sparse_attention_backward.register_fake
+def _(grad_out, q, k, v, *rest):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *layout_tensors, sizes, causal, window_left, window_right, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, *layout_tensors)
+    ctx.options = (sizes, causal, window_left, window_right, scale)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, *layout_tensors = ctx.saved_tensors
+    dq, dk, dv = _sparse_attention_backward(
+        grad_out, q, k, v, out, lse, *layout_tensors, *ctx.options
+    )
+    return (dq, dk, dv) + (None,) * 9
+
+
+_sparse_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def block_sparse_attn_func(
@@ -191,5 +254,10 @@ def block_sparse_attn_func(
             q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=scale
         )
     else:
-        out, lse = TritonBlockSparseAttention.apply(q, k, v, layout, causal, window_size, scale)
+        transposed = layout.transpose()
+        out, lse = _sparse_attention_forward(
+            q, k, v, layout.row_offsets, layout.col_indices,
+            transposed.row_offsets, transposed.col_indices,
+            [getattr(layout, name) for name in LAYOUT_SIZES], causal, *window_size, scale,
+        )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -1,0 +1,261 @@
+"""flash-msa against FlexAttention and dense SDPA (cuDNN, flash), side by side on one GPU.
+
+    python benchmarks/bench_attention.py [--cases causal-32k,window-1m] [--out DIR]
+
+bf16, batch 1, head dim 128, block 128, causal. Each case builds one layout; flash-msa
+runs it, FlexAttention runs the identical blocks (BlockMask.from_kv_blocks, diagonal
+blocks partial with a causal mask_mod, the rest full), and SDPA runs dense causal
+attention where it fits. Writes DIR/attention.json, attention.md and attention.png
+(DIR defaults to benchmarks/results/<gpu>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import pathlib
+
+import torch
+import triton
+
+from flash_msa import block_sparse_attn_func, patterns
+from flash_msa.layout import BlockLayout
+
+K, M = 1024, 1024 * 1024
+HEAD_DIM = 128
+
+
+def topk_layout(seq_len: int, device) -> BlockLayout:
+    """16 blocks per row: its own, the previous one, and 14 random earlier blocks."""
+    blocks = seq_len // 128
+    generator = torch.Generator(device=device).manual_seed(0)
+    scores = torch.rand(blocks, blocks, device=device, generator=generator)
+    rows = torch.arange(1, blocks, device=device)
+    scores[rows, rows - 1] = 2.0  # above every random score: always kept
+    return patterns.topk(scores, 16, seq_len_q=seq_len)
+
+
+def window_layout(seq_len: int, device) -> BlockLayout:
+    """Sliding window of 4096 tokens + 128 sink tokens, causal."""
+    return patterns.sliding_window(seq_len, 4096, device=device) | patterns.global_tokens(
+        seq_len, 128, device=device
+    )
+
+
+# name -> (seq_len, heads_q, heads_kv, layout builder, dense sdpa too)
+CASES = {
+    "causal-32k": (32 * K, 16, 16, lambda s, d: patterns.causal(s, device=d), True),
+    "causal-128k": (128 * K, 16, 16, lambda s, d: patterns.causal(s, device=d), True),
+    "window-128k": (128 * K, 16, 16, window_layout, True),
+    "window-1m": (M, 16, 16, window_layout, False),
+    "topk16-128k": (128 * K, 16, 16, topk_layout, True),
+    "topk16-1m": (M, 16, 16, topk_layout, False),
+    "topk16-gqa32x8-128k": (128 * K, 32, 8, topk_layout, False),
+    "topk16-gqa64x4-128k": (128 * K, 64, 4, topk_layout, False),
+}
+
+
+def flex_block_mask(layout: BlockLayout, heads: int):
+    """The layout as a FlexAttention BlockMask: diagonal blocks partial (causal mask_mod),
+    the others full (no mask work), as FlexAttention's create_block_mask would split them."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dense = layout.to_dense()[0]  # [nq, nk]
+    diagonal = torch.eye(*dense.shape, dtype=torch.bool, device=dense.device)
+
+    def csr_like(mask):  # counts [1, 1, nq], indices [1, 1, nq, nk] (active first, ascending)
+        counts = mask.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    def causal(batch, head, q_index, kv_index):
+        return q_index >= kv_index
+
+    partial_counts, partial_indices = csr_like(dense & diagonal)
+    full_counts, full_indices = csr_like(dense & ~diagonal)
+    return BlockMask.from_kv_blocks(
+        partial_counts, partial_indices, full_counts, full_indices, 128, causal
+    )
+
+
+def measure(fn, grads_of) -> dict:
+    """Median forward and forward+backward ms, and peak memory of forward+backward."""
+    forward_ms = triton.testing.do_bench(lambda: fn(), warmup=100, rep=500, return_mode="median")
+
+    def step():
+        fn().backward(grads_of["dout"])
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    both_ms = triton.testing.do_bench(
+        step, warmup=100, rep=500, grad_to_none=grads_of["inputs"], return_mode="median"
+    )
+    return dict(
+        fwd_ms=forward_ms,
+        fwd_bwd_ms=both_ms,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+    )
+
+
+def run_case(name: str, device) -> list[dict]:
+    seq_len, heads_q, heads_kv, build, dense = CASES[name]
+    layout = build(seq_len, device)
+    generator = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.bfloat16)
+
+    q = randn(1, seq_len, heads_q, HEAD_DIM).requires_grad_()
+    k = randn(1, seq_len, heads_kv, HEAD_DIM).requires_grad_()
+    v = randn(1, seq_len, heads_kv, HEAD_DIM).requires_grad_()
+    dout = randn(1, seq_len, heads_q, HEAD_DIM)
+    grads_of = dict(dout=dout, inputs=[q, k, v])
+    if name.startswith("causal"):
+        sparse_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q  # the anchors' count
+    else:
+        sparse_flops = layout.flops(HEAD_DIM) * heads_q
+    dense_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q
+
+    impls = {
+        "flash_msa": (lambda: block_sparse_attn_func(q, k, v, layout, causal=True), sparse_flops)
+    }
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = flex_block_mask(layout, heads_q)
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
+    impls["flex"] = (
+        lambda: flex(
+            q_t, k_t, v_t, block_mask=block_mask, enable_gqa=heads_q != heads_kv
+        ).transpose(1, 2),
+        sparse_flops,
+    )
+    if dense:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+
+        for impl, backend in (
+            ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ):
+
+            def sdpa(backend=backend):
+                with sdpa_kernel(backend):
+                    return scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True).transpose(
+                        1, 2
+                    )
+
+            impls[impl] = (sdpa, dense_flops)
+
+    with torch.no_grad():  # agreement of the sparse implementations on these inputs
+        ours, theirs = impls["flash_msa"][0]().float(), impls["flex"][0]().float()
+        agreement = float((ours - theirs).norm() / theirs.norm())
+    records = []
+    for impl, (fn, flops) in impls.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            timing = measure(fn, grads_of)
+        except torch.OutOfMemoryError:
+            print(f"{name:22s} {impl:10s} out of memory")
+            continue
+        record = dict(
+            case=name,
+            seq_len=seq_len,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            impl=impl,
+            density=layout.density,
+            **{key: round(value, 4) for key, value in timing.items()},
+            fwd_tflops=round(flops / timing["fwd_ms"] / 1e9, 1),
+            fwd_bwd_tflops=round(3.5 * flops / timing["fwd_bwd_ms"] / 1e9, 1),
+            rel_diff_vs_flex=agreement if impl == "flash_msa" else None,
+        )
+        records.append(record)
+        print(
+            f"{name:22s} {impl:10s} fwd {record['fwd_ms']:9.3f} ms {record['fwd_tflops']:6.1f} TF/s"
+            f"  fwd+bwd {record['fwd_bwd_ms']:9.3f} ms {record['fwd_bwd_tflops']:6.1f} TF/s"
+            f"  peak {record['peak_gib']:6.2f} GiB",
+            flush=True,
+        )
+    return records
+
+
+def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> None:
+    (out_dir / "attention.json").write_text(
+        json.dumps([{**record, **meta} for record in records], indent=1)
+    )
+    by_case: dict[str, dict] = {}
+    for record in records:
+        by_case.setdefault(record["case"], {})[record["impl"]] = record
+    lines = [
+        "# Block-sparse attention, side by side",
+        "",
+        f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}. "
+        "bf16, B=1, D=128, block 128, causal; medians of do_bench. TFLOP/s over the "
+        "computed pairs (active blocks; dense causal: half the square).",
+        "",
+        "| case | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB | "
+        "fwd+bwd speed-up vs flex |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, impls in by_case.items():
+        flex = impls.get("flex")
+        for impl, r in impls.items():
+            ratio = f"{flex['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if flex else "-"
+            lines.append(
+                f"| {case} | {impl} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+                f"{r['fwd_tflops']} | {r['fwd_bwd_tflops']} | {r['peak_gib']:.2f} | {ratio} |"
+            )
+    (out_dir / "attention.md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = ["flash_msa", "flex", "sdpa_cudnn", "sdpa_flash"]
+    cases = list(by_case)
+    figure, axis = plt.subplots(figsize=(max(8, 1.4 * len(cases)), 4.5))
+    width = 0.2
+    for index, impl in enumerate(impls):
+        values = [by_case[c].get(impl, {}).get("fwd_bwd_tflops", 0) for c in cases]
+        axis.bar([x + index * width for x in range(len(cases))], values, width, label=impl)
+    axis.set_xticks([x + 1.5 * width for x in range(len(cases))], cases, rotation=30, ha="right")
+    axis.set_ylabel("fwd+bwd TFLOP/s (computed pairs)")
+    axis.set_title(f"{meta['device']}, bf16, D=128")
+    axis.legend()
+    figure.savefig(out_dir / "attention.png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    device_name = torch.cuda.get_device_name(device)
+    out_dir = pathlib.Path(
+        args.out or pathlib.Path(__file__).parent / "results" / device_name.split()[-1].lower()
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        device=device_name,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.date.today().isoformat(),
+    )
+    records = []
+    for name in args.cases.split(","):
+        records += run_case(name, device)
+        write_reports(records, meta, out_dir)  # partial results survive a timeout
+    print(f"wrote {out_dir}/attention.json, attention.md, attention.png")
+
+
+if __name__ == "__main__":
+    main()
