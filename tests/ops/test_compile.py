@@ -8,6 +8,7 @@ import torch
 from flash_msa import FlashSparseAttention, block_sparse_attn_func, patterns
 from flash_msa.testing import random_qkv, relative_error
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs CUDA or TRITON_INTERPRET=1",
@@ -18,8 +19,8 @@ needs_triton = pytest.mark.skipif(
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_op_matches_eager(compiler):
     torch._dynamo.reset()
-    layout = patterns.bigbird(96, 32, 16, 1, block_size=16)  # transpose not computed yet
-    q, k, v = random_qkv(1, 96, 4, 16, heads_kv=2, requires_grad=True, seed=1)
+    layout = patterns.bigbird(96, 32, 16, 1, block_size=16, device=DEVICE)  # no transpose yet
+    q, k, v = random_qkv(1, 96, 4, 16, heads_kv=2, device=DEVICE, requires_grad=True, seed=1)
 
     def attention(q, k, v):
         return block_sparse_attn_func(q, k, v, layout, causal=True, backend="triton")
@@ -41,8 +42,9 @@ def test_compiled_op_matches_eager(compiler):
 def test_compiled_layer_with_a_fixed_layout():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layout = patterns.sliding_window(64, 16, block_size=16)
+    layout = patterns.sliding_window(64, 16, block_size=16, device=DEVICE)
     layer = FlashSparseAttention(32, 2, block_size=16, pattern=layout, backend="triton")
-    x = torch.randn(1, 64, 32, requires_grad=True)
+    layer = layer.to(DEVICE)
+    x = torch.randn(1, 64, 32, device=DEVICE, requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert relative_error(compiled(x), layer(x)) < 1e-6
