@@ -44,7 +44,7 @@ def builders(seq_len: int, device: torch.device) -> dict:
         "longformer(4096, 128)": functools.partial(
             patterns.longformer, seq_len, 4096, 128, **common
         ),
-        "window 4096 | sinks 128, causal": lambda: (
+        "window 4096 + sinks 128, causal": lambda: (
             patterns.sliding_window(seq_len, 4096, **common)
             | patterns.global_tokens(seq_len, 128, **common)
         ),

@@ -25,11 +25,12 @@ from flash_msa.ops.triton.forward import (
     AUTOTUNE_KEY,
     LOG2_E,
     _load_rows,
+    _mask_scores,
     _packed_rows,
     _row_offsets,
+    _row_steps,
+    _step_first,
     _store_rows,
-    _tile_is_partial,
-    _visible,
     dot_precision,
     head_dim_pad,
     last_dim_contiguous,
@@ -38,13 +39,15 @@ from flash_msa.ops.triton.forward import (
     packing,
 )
 
+LOG2_E_CONSTANT: tl.constexpr = tl.constexpr(LOG2_E)
+
 
 @triton.jit
 def _log2_lse(lse_base, lse_offsets, row_valid):
     """lse in log2 units [R]; +inf for rows that saw nothing (and padding rows), so that
     exp2(scores - lse) is 0 there instead of NaN."""
     lse = tl.load(lse_base + lse_offsets, mask=row_valid, other=float("inf"))  # [R]
-    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E_CONSTANT)
 
 
 @triton.jit
@@ -126,15 +129,14 @@ def _dq_kernel(
     v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
-    row = row_offsets + layout * stride_layout + query_first // Q_BLOCK
     steps_per_block: tl.constexpr = KV_BLOCK // BLOCK_N
-    step_start = tl.load(row) * steps_per_block
-    step_end = tl.load(row + 1) * steps_per_block
+    step_start, step_end = _row_steps(
+        row_offsets, layout, stride_layout, query_first // Q_BLOCK, steps_per_block
+    )
 
     dq = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
-        key_first = tl.load(col_indices + step // steps_per_block) * KV_BLOCK
-        key_first += (step % steps_per_block) * BLOCK_N
+        key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
         key_positions = key_first + key_range  # [BLOCK_N]
         key_valid = key_positions < seq_len_kv  # [BLOCK_N]
         k_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
@@ -144,7 +146,10 @@ def _dq_kernel(
 
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        if _tile_is_partial(
+        scores = _mask_scores(
+            scores,
+            positions[:, None],
+            key_positions[None, :],
             query_first,
             query_last,
             key_first,
@@ -154,17 +159,7 @@ def _dq_kernel(
             window_right,
             HAS_LEFT,
             HAS_RIGHT,
-        ):
-            keep = _visible(
-                positions[:, None],
-                key_positions[None, :],
-                seq_len_kv,
-                window_left,
-                window_right,
-                HAS_LEFT,
-                HAS_RIGHT,
-            )  # [BLOCK_M, BLOCK_N]
-            scores = tl.where(keep, scores, float("-inf"))
+        )  # [BLOCK_M, BLOCK_N]
         probs = tl.math.exp2(scores - row_lse[:, None])  # [BLOCK_M, BLOCK_N]
         grad_probs = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         grad_scores = probs * (grad_probs - row_delta[:, None])  # [BLOCK_M, BLOCK_N]
@@ -251,12 +246,11 @@ def _dkdv_kernel(
         # layout heads are per query head (then PACK = 1).
         first_head = kv_head * group + chunk * PACK
         layout = batch * layout_batch_stride + first_head // layout_head_divisor
-        row = row_offsets + layout * stride_layout + key_first // KV_BLOCK
-        step_start = tl.load(row) * steps_per_block
-        step_end = tl.load(row + 1) * steps_per_block
+        step_start, step_end = _row_steps(
+            row_offsets, layout, stride_layout, key_first // KV_BLOCK, steps_per_block
+        )
         for step in range(step_start, step_end):
-            query_first = tl.load(row_indices + step // steps_per_block) * Q_BLOCK
-            query_first += (step % steps_per_block) * ROWS
+            query_first = _step_first(row_indices, step, steps_per_block, Q_BLOCK, ROWS)
             positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
             row_valid = positions < seq_len_q  # [BLOCK_M]
             q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
@@ -272,7 +266,10 @@ def _dkdv_kernel(
             # Transposed scores, so that dK and dV accumulate as [BLOCK_N, D] without transposes.
             scores = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
             scores *= qk_scale  # [BLOCK_N, BLOCK_M], log2 units
-            if _tile_is_partial(
+            scores = _mask_scores(
+                scores,
+                positions[None, :],
+                key_positions[:, None],
                 query_first,
                 query_first + ROWS - 1,
                 key_first,
@@ -282,17 +279,7 @@ def _dkdv_kernel(
                 window_right,
                 HAS_LEFT,
                 HAS_RIGHT,
-            ):
-                keep = _visible(
-                    positions[None, :],
-                    key_positions[:, None],
-                    seq_len_kv,
-                    window_left,
-                    window_right,
-                    HAS_LEFT,
-                    HAS_RIGHT,
-                )  # [BLOCK_N, BLOCK_M]
-                scores = tl.where(keep, scores, float("-inf"))
+            )  # [BLOCK_N, BLOCK_M]
             probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
             dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
             grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)

@@ -72,12 +72,12 @@ def max_query_rows(head_dim_pad: int, kernel: str) -> int:
         return 128 if head_dim_pad <= 128 else 64
     if kernel == "dq":
         return 128 if head_dim_pad <= 64 else 64
-    return 64  # dkdv: the query side is the inner loop; FlashAttention-2 uses 64 there
+    return 64 if head_dim_pad <= 128 else 32  # dkdv: the inner loop side (FA2 uses 64)
 
 
 def dkdv_kv_rows(head_dim_pad: int, kv_block: int) -> int:
     """Key rows of one dK/dV program (they hold K, V, dK, dV on chip)."""
-    return min(kv_block, 128 if head_dim_pad <= 64 else 64)
+    return min(kv_block, 128 if head_dim_pad <= 64 else 64 if head_dim_pad <= 128 else 32)
 
 
 def _configs(inner_sizes: list[int | None], warps: tuple, stages: tuple) -> list[triton.Config]:
@@ -93,26 +93,33 @@ def _inner_sizes(kv_block: int, candidates: tuple[int, ...]) -> list[int]:
     return sorted({min(kv_block, size) for size in candidates})
 
 
+# Warps and stages below were pruned by compiling every config for sm_90 with the ptxas
+# bundled with Triton 3.6 (no GPU needed) and dropping those that spill registers heavily:
+# 4 warps spill at D >= 128 in every kernel (and in dK/dV at D = 64).
+
+
 def forward_configs(head_dim_pad: int, kv_block: int) -> list[triton.Config]:
     """Forward: BLOCK_N (key rows per step, dividing kv_block), warps and stages."""
-    big = head_dim_pad > 128
     if interpreting():  # 64 < kv_block 128 keeps the sub-block steps under test
         return _configs([min(kv_block, 64)], (4,), (1,))
-    sizes = _inner_sizes(kv_block, (32, 64) if big else (64, 128))
-    return _configs(sizes, (4, 8), (1, 2) if big else (2, 3, 4))
+    if head_dim_pad > 128:
+        return _configs(_inner_sizes(kv_block, (32,)), (8,), (2,))
+    warps = (4, 8) if head_dim_pad <= 64 else (8,)
+    return _configs(_inner_sizes(kv_block, (64, 128)), warps, (2, 3, 4))
 
 
 def dq_configs(head_dim_pad: int, kv_block: int) -> list[triton.Config]:
     """dQ: BLOCK_N per step (K and V tiles, plus P and dP of BLOCK_M x BLOCK_N)."""
-    big = head_dim_pad > 128
     if interpreting():
         return _configs([min(kv_block, 64)], (4,), (1,))
-    sizes = _inner_sizes(kv_block, (16, 32) if big else (32, 64))
-    return _configs(sizes, (4, 8), (1, 2) if big else (2, 3))
+    if head_dim_pad > 128:
+        return _configs(_inner_sizes(kv_block, (16,)), (8,), (1,))
+    warps = (4, 8) if head_dim_pad <= 64 else (8,)
+    return _configs(_inner_sizes(kv_block, (32, 64)), warps, (2, 3))
 
 
 def dkdv_configs(head_dim_pad: int) -> list[triton.Config]:
     """dK/dV: both tile sides are fixed by row_tile / dkdv_kv_rows; warps and stages."""
     if interpreting():
         return _configs([None], (4,), (1,))
-    return _configs([None], (4, 8), (1, 2) if head_dim_pad > 128 else (2, 3))
+    return _configs([None], (8,), (2,) if head_dim_pad > 64 else (2, 3))

@@ -60,7 +60,10 @@ def _store_rows(
 
 
 @triton.jit
-def _tile_is_partial(
+def _mask_scores(
+    scores,
+    query_positions,
+    key_positions,
     query_first,
     query_last,
     key_first,
@@ -71,36 +74,41 @@ def _tile_is_partial(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
 ):
-    """Whether a (queries [first, last] x KEY_ROWS keys from key_first) tile needs the
-    element mask: scalar comparisons of its bounds, so full tiles skip all mask work.
-    Causal is folded into the right window (right = 0)."""
+    """Set scores of keys a query must not see to -inf (reference.visible, plus keys past
+    seq_len_kv). Whether the tile (queries [query_first, query_last] x KEY_ROWS keys from
+    key_first) needs it at all is decided from its bounds by scalar comparisons, so full
+    tiles skip all element-mask work. Causal arrives folded into the right window
+    (right = 0). Positions broadcast to the scores' shape: [M, 1] x [1, N] in the forward
+    and dQ, [1, M] x [N, 1] in dK/dV."""
     key_last = key_first + KEY_ROWS - 1
     partial = key_last >= seq_len_kv
     if HAS_RIGHT:
         partial = partial | (key_last > query_first + window_right)
     if HAS_LEFT:
         partial = partial | (key_first < query_last - window_left)
-    return partial
+    if partial:
+        keep = key_positions < seq_len_kv
+        if HAS_RIGHT:
+            keep = keep & (key_positions <= query_positions + window_right)
+        if HAS_LEFT:
+            keep = keep & (key_positions >= query_positions - window_left)
+        scores = tl.where(keep, scores, float("-inf"))
+    return scores
 
 
 @triton.jit
-def _visible(
-    query_positions,
-    key_positions,
-    seq_len_kv,
-    window_left,
-    window_right,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-):
-    """Element mask of reference.visible (plus key < seq_len_kv); broadcasts its inputs
-    ([M, 1] x [1, N] in the forward, [1, M] x [N, 1] in dK/dV)."""
-    keep = key_positions < seq_len_kv
-    if HAS_RIGHT:
-        keep = keep & (key_positions <= query_positions + window_right)
-    if HAS_LEFT:
-        keep = keep & (key_positions >= query_positions - window_left)
-    return keep
+def _row_steps(row_offsets, layout, stride_layout, row, STEPS_PER_BLOCK: tl.constexpr):
+    """[start, end) steps of a CSR row; a block is walked in STEPS_PER_BLOCK sub-tiles."""
+    pointer = row_offsets + layout * stride_layout + row
+    return tl.load(pointer) * STEPS_PER_BLOCK, tl.load(pointer + 1) * STEPS_PER_BLOCK
+
+
+@triton.jit
+def _step_first(indices, step, STEPS_PER_BLOCK: tl.constexpr, BLOCK: tl.constexpr, TILE):
+    """First position of a step's sub-tile: block indices[step // STEPS] of BLOCK positions,
+    then TILE positions per step within it."""
+    block = tl.load(indices + step // STEPS_PER_BLOCK)
+    return block * BLOCK + (step % STEPS_PER_BLOCK) * TILE
 
 
 # ---- forward kernel ----------------------------------------------------------------------
@@ -166,18 +174,16 @@ def _forward_kernel(
 
     # The group's heads in this tile share one layout row (PACK > 1 only if they do).
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
-    row = row_offsets + layout * stride_layout + query_first // Q_BLOCK
-    # A kv block of KV_BLOCK keys is walked in KV_BLOCK // BLOCK_N steps of BLOCK_N.
     steps_per_block: tl.constexpr = KV_BLOCK // BLOCK_N
-    step_start = tl.load(row) * steps_per_block
-    step_end = tl.load(row + 1) * steps_per_block
+    step_start, step_end = _row_steps(
+        row_offsets, layout, stride_layout, query_first // Q_BLOCK, steps_per_block
+    )
 
     row_max = tl.full([ROWS * PACK], float("-inf"), tl.float32)  # [BLOCK_M], log2 units
     row_sum = tl.zeros([ROWS * PACK], tl.float32)  # [BLOCK_M]
     acc = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
-        key_first = tl.load(col_indices + step // steps_per_block) * KV_BLOCK
-        key_first += (step % steps_per_block) * BLOCK_N
+        key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
         key_positions = key_first + key_range  # [BLOCK_N]
         key_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
         key_valid = key_positions < seq_len_kv  # [BLOCK_N]
@@ -187,7 +193,10 @@ def _forward_kernel(
 
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        if _tile_is_partial(
+        scores = _mask_scores(
+            scores,
+            positions[:, None],
+            key_positions[None, :],
             query_first,
             query_last,
             key_first,
@@ -197,17 +206,7 @@ def _forward_kernel(
             window_right,
             HAS_LEFT,
             HAS_RIGHT,
-        ):
-            keep = _visible(
-                positions[:, None],
-                key_positions[None, :],
-                seq_len_kv,
-                window_left,
-                window_right,
-                HAS_LEFT,
-                HAS_RIGHT,
-            )
-            scores = tl.where(keep, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        )  # [BLOCK_M, BLOCK_N]
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # A row with nothing visible yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # [BLOCK_M]
