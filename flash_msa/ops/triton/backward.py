@@ -1,8 +1,8 @@
 """Block-sparse attention backward: FlashAttention-2's two-kernel split, without atomics.
 
 1. dQ kernel (grid and packing of the forward): walks the CSR rows, recomputes P from
-   q, k and lse, accumulates dQ in fp32; it also writes delta = rowsum(dO * O), which
-   only it reads whole rows of, for the second kernel.
+   q, k and lse, accumulates dQ in fp32. It also writes delta = rowsum(dO * O) for the
+   second kernel, from the dO tile it holds anyway (no separate preprocessing pass).
 2. dK/dV kernel: one program per (kv tile, kv head, batch) walks layout.transpose()
    rows for each query head of its GQA group, accumulates dK, dV in fp32 and writes
    them once.
