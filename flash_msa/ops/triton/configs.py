@@ -18,28 +18,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _patch_interpreter_scalar_index() -> None:
-    """Backport of triton-lang/triton#9172 (after 3.6.0): the interpreter holds scalars as
-    1-element arrays and takes int() of them for `range(start, end)` bounds, which
-    NumPy >= 2.4 refuses; read the element explicitly instead. Interpreter only."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    if getattr(patch_tensor, "scalar_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.scalar_index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    _patch_interpreter_scalar_index()
-
-
 class RowTile(NamedTuple):
     """A tile of ROWS positions x PACK query heads (BLOCK_M = ROWS * PACK rows)."""
 
