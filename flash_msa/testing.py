@@ -43,7 +43,7 @@ def poisoned_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tor
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64, over finite entries of expected;
     infinite entries (lse = -inf of empty rows) must match exactly, NaN never passes."""
-    actual, expected = actual.detach().double(), expected.detach().double()
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
     if torch.isnan(actual).any():
         return float("inf")
     finite = torch.isfinite(expected)

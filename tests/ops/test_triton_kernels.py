@@ -14,6 +14,7 @@ from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
 
 TOLERANCE_FP32 = 1e-4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
 
 
 def layout_from_block_mask(
@@ -160,11 +161,11 @@ def reference(case: Case, q, k, v, grad_out=None):
     mask = layout_mask(
         layout, case.batch, case.heads_q, causal=case.causal, window_size=case.window_size
     )
-    q, k, v = (t.detach().double().requires_grad_(grad_out is not None) for t in (q, k, v))
+    q, k, v = (t.detach().cpu().double().requires_grad_(grad_out is not None) for t in (q, k, v))
     out, lse = attention_reference(q, k, v, mask, case.options()["softmax_scale"])
     if grad_out is None:
         return out, lse
-    grads = torch.autograd.grad(out, (q, k, v), grad_out.double())
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.cpu().double())
     return (out, lse, *grads)
 
 
@@ -177,10 +178,10 @@ def check(name: str, actual: torch.Tensor, expected: torch.Tensor, like: torch.T
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_backward_match_reference(name, poisoned_allocations):
     case = CASES[name]
-    layout = case.layout()
-    q, k, v = case.inputs()
+    layout = case.layout().to(DEVICE)
+    q, k, v = case.inputs(device=DEVICE)
     out, lse = attention_forward(q, k, v, layout, **case.options())
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(case, q, k, v, grad_out)
     check("out", out, ref_out, q)
     check("lse", lse, ref_lse, ref_lse.float())
@@ -192,13 +193,14 @@ def test_forward_backward_match_reference(name, poisoned_allocations):
 
 def test_empty_rows_give_zeros_and_minus_inf():
     case = CASES["empty-rows-causal-gqa2"]
-    q, k, v = case.inputs()
-    out, lse = attention_forward(q, k, v, case.layout(), **case.options())
+    layout = case.layout().to(DEVICE)
+    q, k, v = case.inputs(device=DEVICE)
+    out, lse = attention_forward(q, k, v, layout, **case.options())
     rows = slice(0, 2 * case.q_block)  # q block 0 has no blocks, block 1 only hidden ones
     assert torch.equal(out[:, rows], torch.zeros_like(out[:, rows]))
     assert bool((lse[:, :, rows] == float("-inf")).all())
     grad_out = torch.randn_like(out)
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, case.layout(), **case.options())
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
     assert torch.equal(dq[:, rows], torch.zeros_like(dq[:, rows]))
     assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
 
@@ -330,4 +332,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     for line in result.stdout.splitlines():
         name, uses_wgmma, spills = line.split()
         assert uses_wgmma == "True", f"{name} does not use Hopper tensor cores (wgmma)"
-        assert int(spills) <= 64, f"{name} spills {spills} bytes of registers"
+        # dK/dV at 128 kv x 64 query rows spills (about 1 KB) yet measured 1.8x faster than
+        # the spill-free 64 x 64 tile on an H200 (benchmarks/NOTES.md); the others must not.
+        limit = 1024 if name == "dkdv" else 64
+        assert int(spills) <= limit, f"{name} spills {spills} bytes of registers"
