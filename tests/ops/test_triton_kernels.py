@@ -219,6 +219,14 @@ GPU_CASES = {
         batch=2, seq_len_q=700, heads_q=4, heads_kv=2, head_dim=96, q_block=64, kv_block=128,
         layout_batch=2, causal=True, empty_rows=True, density=0.5,
     ),
+    "causal-gqa8-32": Case(
+        batch=1, seq_len_q=900, heads_q=8, heads_kv=1, head_dim=32, q_block=64, kv_block=128,
+        causal=True, density=0.6,
+    ),
+    "bidirectional-256": Case(
+        batch=1, seq_len_q=600, heads_q=2, heads_kv=2, head_dim=256, q_block=128, kv_block=128,
+        density=0.7,
+    ),
 }  # fmt: skip
 
 
