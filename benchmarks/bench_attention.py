@@ -100,7 +100,9 @@ def measure(fn, grads_of) -> dict:
     )
 
 
-def run_case(name: str, device) -> list[dict]:
+def run_case(name: str, device, dense_timings: dict) -> list[dict]:
+    """Records of every implementation on one case. Dense SDPA does not depend on the
+    layout: its timings are measured once per shape and reused (dense_timings)."""
     seq_len, heads_q, heads_kv, build, dense = CASES[name]
     layout = build(seq_len, device)
     generator = torch.Generator(device=device).manual_seed(1)
@@ -158,11 +160,17 @@ def run_case(name: str, device) -> list[dict]:
     for impl, (fn, flops) in impls.items():
         gc.collect()
         torch.cuda.empty_cache()
+        shape_key = (impl, seq_len, heads_q, heads_kv)
         try:
-            timing = measure(fn, grads_of)
+            if impl.startswith("sdpa") and shape_key in dense_timings:
+                timing = dense_timings[shape_key]
+            else:
+                timing = measure(fn, grads_of)
         except torch.OutOfMemoryError:
             print(f"{name:22s} {impl:10s} out of memory")
             continue
+        if impl.startswith("sdpa"):
+            dense_timings[shape_key] = timing
         record = dict(
             case=name,
             seq_len=seq_len,
@@ -258,9 +266,9 @@ def main() -> None:
         triton=triton.__version__,
         date=datetime.date.today().isoformat(),
     )
-    records = []
+    records, dense_timings = [], {}
     for name in args.cases.split(","):
-        records += run_case(name, device)
+        records += run_case(name, device, dense_timings)
         write_reports(records, meta, out_dir)  # partial results survive a timeout
     print(f"wrote {out_dir}/attention.json, attention.md, attention.png")
 
