@@ -31,6 +31,7 @@ from flash_msa.ops.triton.forward import (
     _row_steps,
     _step_first,
     _store_tile,
+    device_descriptor_scratch,
     dot_precision,
     head_dim_pad,
     layout_arguments,
@@ -49,6 +50,23 @@ def _log2_lse(lse_base, lse_offsets, row_valid):
     exp2(scores - lse) is 0 there instead of NaN."""
     lse = tl.load(lse_base + lse_offsets, mask=row_valid, other=float("inf"))  # [R]
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E_CONSTANT)
+
+
+@triton.jit
+def _load_head_tile(
+    base, batch, head, first_position, stride_b, stride_s, stride_h, seq_len, head_dim,
+    ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """[ROWS, D_PAD] tile of one (batch, head) of a [B, S, H, D] tensor through a 2-D [S, D]
+    descriptor built on the device; rows past S and dims past D read as 0. Unlike a tile of
+    a 4-D descriptor it needs no reshape, so wgmma can take it as its left-hand operand
+    straight from shared memory (Triton moves a reshaped tile into registers)."""
+    head_base = base + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+    desc = tl.make_tensor_descriptor(
+        head_base, shape=[seq_len, head_dim], strides=[stride_s, 1],
+        block_shape=[ROWS, HEAD_DIM_PAD],
+    )  # fmt: skip
+    return desc.load([first_position, 0])  # [ROWS, D_PAD]
 
 
 @triton.jit
@@ -155,6 +173,13 @@ def _dkdv_kernel(
     grad_v,
     row_offsets,
     row_indices,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    head_dim,
     stride_lse_b,
     stride_lse_h,
     stride_layout,
@@ -179,16 +204,24 @@ def _dkdv_kernel(
 ):
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B). row_offsets / row_indices: the transposed
     layout (rows = kv blocks, entries = q blocks). Query tiles are ROWS positions x PACK
-    heads of the group, as in the forward; q, k, v, grad_out, grad_k, grad_v: [B, S, H, D]
-    tensor descriptors (configs.set_block_shapes)."""
+    heads of the group, as in the forward; q, grad_out, grad_k, grad_v: [B, S, H, D] tensor
+    descriptors (configs.set_block_shapes); k, v: [B, S_kv, H_kv, D] pointers (TMA-ready)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
     key_first = tile * BLOCK_N
 
     key_positions = key_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k_tile = _load_tile(k, batch, key_first, kv_head, BLOCK_N, 1, HEAD_DIM_PAD)
-    v_tile = _load_tile(v, batch, key_first, kv_head, BLOCK_N, 1, HEAD_DIM_PAD)
+    # K and V are wgmma's left-hand operands below: kept in shared memory, not registers
+    # (which dK and dV fill).
+    k_tile = _load_head_tile(
+        k, batch, kv_head, key_first, stride_kb, stride_ks, stride_kh, seq_len_kv, head_dim,
+        BLOCK_N, HEAD_DIM_PAD,
+    )  # fmt: skip
+    v_tile = _load_head_tile(
+        v, batch, kv_head, key_first, stride_vb, stride_vs, stride_vh, seq_len_kv, head_dim,
+        BLOCK_N, HEAD_DIM_PAD,
+    )  # fmt: skip
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
@@ -311,11 +344,12 @@ def attention_backward(
     max_rows = configs.max_query_rows(padded, "dkdv")
     tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
     grid = (triton.cdiv(seq_len_kv, kv_rows), heads_kv, batch)
-    dkdv_tiles = [descriptors[name] for name in ("q", "k", "v", "grad_out")]
-    _tuned_dkdv(padded)[grid](
-        *dkdv_tiles, lse, delta, descriptors["grad_k"], descriptors["grad_v"],
-        transposed_offsets, transposed.col_indices,
-        lse.stride(0), lse.stride(1), transposed_offsets.stride(0), *scalars,
-        ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
-    )  # fmt: skip
+    with device_descriptor_scratch(q.device):
+        _tuned_dkdv(padded)[grid](
+            descriptors["q"], k, v, descriptors["grad_out"], lse, delta, descriptors["grad_k"],
+            descriptors["grad_v"], transposed_offsets, transposed.col_indices,
+            *k.stride()[:3], *v.stride()[:3], head_dim,
+            lse.stride(0), lse.stride(1), transposed_offsets.stride(0), *scalars,
+            ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
+        )  # fmt: skip
     return grad_q, grad_k, grad_v

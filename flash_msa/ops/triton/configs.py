@@ -12,6 +12,7 @@ import os
 from typing import NamedTuple
 
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def interpreting() -> bool:
@@ -71,12 +72,13 @@ def set_block_shapes(nargs: dict) -> None:
     sizes, BLOCK_N included once the autotuner has picked it (a block shape is part of a
     descriptor's type, so each shape compiles its own kernel)."""
     head_dim_padded = nargs["HEAD_DIM_PAD"]
-    for name in QUERY_TILES:
-        if name in nargs:
-            nargs[name].block_shape = [1, nargs["ROWS"], nargs["PACK"], head_dim_padded]
-    for name in KEY_TILES:
-        if name in nargs:
-            nargs[name].block_shape = [1, nargs["BLOCK_N"], 1, head_dim_padded]
+    for names, block_shape in (
+        (QUERY_TILES, [1, nargs["ROWS"], nargs["PACK"], head_dim_padded]),
+        (KEY_TILES, [1, nargs["BLOCK_N"], 1, head_dim_padded]),
+    ):
+        for name in names:
+            if isinstance(nargs.get(name), TensorDescriptor):  # not a pointer argument
+                nargs[name].block_shape = block_shape
 
 
 def _configs(inner_sizes: list[int | None], warps: tuple, stages: tuple) -> list[triton.Config]:

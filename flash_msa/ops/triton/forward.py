@@ -15,15 +15,18 @@ backward kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton import configs
+from flash_msa.ops.triton.configs import interpreting
 
 LOG2_E = 1.4426950408889634
 LN_2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -252,6 +255,25 @@ def tile_descriptor(tensor: torch.Tensor, head_dim_padded: int) -> TensorDescrip
         raise ValueError(f"TMA cannot address a tensor with strides {tensor.stride()}")
     block_shape = [1, 1, 1, head_dim_padded]
     return TensorDescriptor(tensor, list(tensor.shape), _tma_strides(tensor), block_shape)
+
+
+@contextlib.contextmanager
+def device_descriptor_scratch(device: torch.device):
+    """Tensor descriptors built in a kernel (tl.make_tensor_descriptor) live in global
+    scratch memory that Triton requests from its allocator at launch. Provide one from
+    PyTorch's caching allocator for the launch unless the caller has set their own."""
+    if interpreting() or not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        yield
+        return
+
+    def allocate(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    token = _allocation._allocator.set(allocate)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def layout_arguments(layout: BlockLayout, heads_q: int, heads_kv: int) -> tuple[int, int]:
