@@ -30,12 +30,6 @@ def _largest_power_of_two_dividing(value: int) -> int:
     return value & -value
 
 
-# GQA packing with tensor-descriptor tiles gave wrong outputs on an H200 (relative error 0.5
-# on a D=64, q_block 64, GQA 4 case; the interpreter agrees with the reference): off until
-# understood. benchmarks/check_packing.py compares both settings on the GPU.
-PACK_GQA = False
-
-
 def row_tile(block: int, max_rows: int, group: int, shared_layout: bool) -> RowTile:
     """Rows of one program's query tile, within one q block of `block` positions.
 
@@ -46,7 +40,7 @@ def row_tile(block: int, max_rows: int, group: int, shared_layout: bool) -> RowT
     """
     rows = min(block, max_rows)
     pack = 1
-    if shared_layout and PACK_GQA:
+    if shared_layout:
         pack = min(_largest_power_of_two_dividing(group), max_rows // rows)
     return RowTile(rows, pack)
 
