@@ -24,21 +24,19 @@ from flash_msa.ops.triton import configs
 from flash_msa.ops.triton.forward import (
     AUTOTUNE_KEY,
     LOG2_E,
-    _load_tile,
-    _lse_offsets,
+    _load_rows,
     _mask_scores,
     _packed_rows,
+    _row_offsets,
     _row_steps,
     _step_first,
-    _store_tile,
-    device_descriptor_scratch,
+    _store_rows,
     dot_precision,
     head_dim_pad,
+    last_dim_contiguous,
     layout_arguments,
     mask_arguments,
     packing,
-    tile_descriptor,
-    tma_ready,
 )
 
 LOG2_E_CONSTANT: tl.constexpr = tl.constexpr(LOG2_E)
@@ -53,23 +51,6 @@ def _log2_lse(lse_base, lse_offsets, row_valid):
 
 
 @triton.jit
-def _load_head_tile(
-    base, batch, head, first_position, stride_b, stride_s, stride_h, seq_len, head_dim,
-    ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-):  # fmt: skip
-    """[ROWS, D_PAD] tile of one (batch, head) of a [B, S, H, D] tensor through a 2-D [S, D]
-    descriptor built on the device; rows past S and dims past D read as 0. Unlike a tile of
-    a 4-D descriptor it needs no reshape, so wgmma can take it as its left-hand operand
-    straight from shared memory (Triton moves a reshaped tile into registers)."""
-    head_base = base + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-    desc = tl.make_tensor_descriptor(
-        head_base, shape=[seq_len, head_dim], strides=[stride_s, 1],
-        block_shape=[ROWS, HEAD_DIM_PAD],
-    )  # fmt: skip
-    return desc.load([first_position, 0])  # [ROWS, D_PAD]
-
-
-@triton.jit
 def _dq_kernel(
     q,
     k,
@@ -81,6 +62,24 @@ def _dq_kernel(
     grad_q,
     row_offsets,
     col_indices,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
     stride_lse_b,
     stride_lse_h,
     stride_layout,
@@ -93,6 +92,7 @@ def _dq_kernel(
     softmax_scale,
     window_left,
     window_right,
+    HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr,
@@ -103,26 +103,30 @@ def _dq_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(S_q, ROWS), H_q // PACK, B). q, k, v, out, grad_out, grad_q: [B, S, H, D]
-    tensor descriptors (configs.set_block_shapes); lse and delta are fp32 [B, H_q, S_q]."""
+    """Grid (cdiv(S_q, ROWS), H_q // PACK, B); lse and delta are fp32 [B, H_q, S_q]."""
     tile = tl.program_id(0)
     first_head = tl.program_id(1) * PACK
-    batch = tl.program_id(2)
+    batch = tl.program_id(2).to(tl.int64)
     kv_head = first_head // group
     query_first = tile * ROWS
     query_last = query_first + ROWS - 1
 
     positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M], [BLOCK_M]
     row_valid = positions < seq_len_q  # [BLOCK_M]
-    q_tile = _load_tile(q, batch, query_first, first_head, ROWS, PACK, HEAD_DIM_PAD)
-    o_tile = _load_tile(out, batch, query_first, first_head, ROWS, PACK, HEAD_DIM_PAD)
-    do_tile = _load_tile(grad_out, batch, query_first, first_head, ROWS, PACK, HEAD_DIM_PAD)
+    q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
+    q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+    o_rows = _row_offsets(positions, heads, stride_os, stride_oh)  # [BLOCK_M]
+    o_tile = _load_rows(out + batch * stride_ob, o_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+    do_rows = _row_offsets(positions, heads, stride_dos, stride_doh)  # [BLOCK_M]
+    do_tile = _load_rows(grad_out + batch * stride_dob, do_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
 
-    lse_offsets = _lse_offsets(batch, heads, positions, stride_lse_b, stride_lse_h)  # [BLOCK_M]
+    lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
     row_delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(delta + lse_offsets, row_delta, mask=row_valid)
     row_lse = _log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]
 
+    k_base = k + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
     steps_per_block: tl.constexpr = KV_BLOCK // BLOCK_N
@@ -133,15 +137,19 @@ def _dq_kernel(
     dq = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
         key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
-        k_tile = _load_tile(k, batch, key_first, kv_head, BLOCK_N, 1, HEAD_DIM_PAD)
-        v_tile = _load_tile(v, batch, key_first, kv_head, BLOCK_N, 1, HEAD_DIM_PAD)
+        key_positions = key_first + key_range  # [BLOCK_N]
+        key_valid = key_positions < seq_len_kv  # [BLOCK_N]
+        k_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
+        k_tile = _load_rows(k_base, k_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
+        v_rows = key_positions.to(tl.int64) * stride_vs  # [BLOCK_N]
+        v_tile = _load_rows(v_base, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
 
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         scores = _mask_scores(
             scores,
             positions[:, None],
-            (key_first + key_range)[None, :],
+            key_positions[None, :],
             query_first,
             query_last,
             key_first,
@@ -157,8 +165,9 @@ def _dq_kernel(
         grad_scores = probs * (grad_probs - row_delta[:, None])  # [BLOCK_M, BLOCK_N]
         dq = tl.dot(grad_scores.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
 
+    dq_rows = _row_offsets(positions, heads, stride_dqs, stride_dqh)  # [BLOCK_M]
     dq = dq * softmax_scale  # [BLOCK_M, D_PAD]
-    _store_tile(grad_q, batch, query_first, first_head, dq, ROWS, PACK, HEAD_DIM_PAD)
+    _store_rows(grad_q + batch * stride_dqb, dq_rows, row_valid, dq, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @triton.jit
@@ -173,13 +182,24 @@ def _dkdv_kernel(
     grad_v,
     row_offsets,
     row_indices,
+    stride_qb,
+    stride_qs,
+    stride_qh,
     stride_kb,
     stride_ks,
     stride_kh,
     stride_vb,
     stride_vs,
     stride_vh,
-    head_dim,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
     stride_lse_b,
     stride_lse_h,
     stride_layout,
@@ -192,6 +212,7 @@ def _dkdv_kernel(
     softmax_scale,
     window_left,
     window_right,
+    HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr,
@@ -204,24 +225,18 @@ def _dkdv_kernel(
 ):
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B). row_offsets / row_indices: the transposed
     layout (rows = kv blocks, entries = q blocks). Query tiles are ROWS positions x PACK
-    heads of the group, as in the forward; q, grad_out, grad_k, grad_v: [B, S, H, D] tensor
-    descriptors (configs.set_block_shapes); k, v: [B, S_kv, H_kv, D] pointers (TMA-ready)."""
+    heads of the group, as in the forward."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    batch = tl.program_id(2)
+    batch = tl.program_id(2).to(tl.int64)
     key_first = tile * BLOCK_N
 
     key_positions = key_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    # K and V are wgmma's left-hand operands below: kept in shared memory, not registers
-    # (which dK and dV fill).
-    k_tile = _load_head_tile(
-        k, batch, kv_head, key_first, stride_kb, stride_ks, stride_kh, seq_len_kv, head_dim,
-        BLOCK_N, HEAD_DIM_PAD,
-    )  # fmt: skip
-    v_tile = _load_head_tile(
-        v, batch, kv_head, key_first, stride_vb, stride_vs, stride_vh, seq_len_kv, head_dim,
-        BLOCK_N, HEAD_DIM_PAD,
-    )  # fmt: skip
+    key_valid = key_positions < seq_len_kv  # [BLOCK_N]
+    k_rows = key_positions.to(tl.int64) * stride_ks + kv_head.to(tl.int64) * stride_kh
+    k_tile = _load_rows(k + batch * stride_kb, k_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)
+    v_rows = key_positions.to(tl.int64) * stride_vs + kv_head.to(tl.int64) * stride_vh
+    v_tile = _load_rows(v + batch * stride_vb, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
@@ -238,9 +253,13 @@ def _dkdv_kernel(
             query_first = _step_first(row_indices, step, steps_per_block, Q_BLOCK, ROWS)
             positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
             row_valid = positions < seq_len_q  # [BLOCK_M]
-            q_tile = _load_tile(q, batch, query_first, first_head, ROWS, PACK, HEAD_DIM_PAD)
-            do_tile = _load_tile(grad_out, batch, query_first, first_head, ROWS, PACK, HEAD_DIM_PAD)
-            lse_offsets = _lse_offsets(batch, heads, positions, stride_lse_b, stride_lse_h)
+            q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
+            q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+            do_rows = _row_offsets(positions, heads, stride_dos, stride_doh)  # [BLOCK_M]
+            do_tile = _load_rows(
+                grad_out + batch * stride_dob, do_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD
+            )  # [BLOCK_M, D_PAD]
+            lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions
             row_lse = _log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
             row_delta = tl.load(delta + lse_offsets, mask=row_valid, other=0.0)  # [BLOCK_M]
 
@@ -268,8 +287,10 @@ def _dkdv_kernel(
             dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
 
     dk = dk * softmax_scale  # [BLOCK_N, D_PAD]
-    _store_tile(grad_k, batch, key_first, kv_head, dk, BLOCK_N, 1, HEAD_DIM_PAD)
-    _store_tile(grad_v, batch, key_first, kv_head, dv, BLOCK_N, 1, HEAD_DIM_PAD)
+    dk_rows = key_positions.to(tl.int64) * stride_dks + kv_head.to(tl.int64) * stride_dkh
+    _store_rows(grad_k + batch * stride_dkb, dk_rows, key_valid, dk, HEAD_DIM, HEAD_DIM_PAD)
+    dv_rows = key_positions.to(tl.int64) * stride_dvs + kv_head.to(tl.int64) * stride_dvh
+    _store_rows(grad_v + batch * stride_dvb, dv_rows, key_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @functools.cache
@@ -298,7 +319,7 @@ def attention_backward(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like q, k, v in their dtypes; lse fp32 [B, H_q, S_q] from the forward."""
-    grad_out, q, k, v, out = (tma_ready(t) for t in (grad_out, q, k, v, out))
+    grad_out, q, k, v, out = (last_dim_contiguous(t) for t in (grad_out, q, k, v, out))
     lse = lse.contiguous()
     batch, seq_len_q, heads_q, head_dim = q.shape
     seq_len_kv, heads_kv = k.shape[1], k.shape[2]
@@ -309,13 +330,8 @@ def attention_backward(
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
-    descriptors = {
-        name: tile_descriptor(tensor, padded)
-        for name, tensor in dict(
-            q=q, k=k, v=v, out=out, grad_out=grad_out, grad_q=grad_q, grad_k=grad_k, grad_v=grad_v
-        ).items()
-    }
     shared = dict(
+        HEAD_DIM=head_dim,
         HEAD_DIM_PAD=padded,
         Q_BLOCK=layout.q_block,
         KV_BLOCK=layout.kv_block,
@@ -330,11 +346,12 @@ def attention_backward(
     row_offsets = layout.row_offsets.contiguous()
     tile = packing(layout, layout.q_block, configs.max_query_rows(padded, "dq"), heads_q, heads_kv)
     grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
-    # Descriptors are shared by both launches: each launch's pre_hook sets its block shapes.
-    dq_tiles = [descriptors[name] for name in ("q", "k", "v", "out", "grad_out")]
     _tuned_dq(padded, layout.kv_block)[grid](
-        *dq_tiles, lse, delta, descriptors["grad_q"], row_offsets, layout.col_indices,
-        lse.stride(0), lse.stride(1), row_offsets.stride(0), *scalars,
+        q, k, v, out, grad_out, lse, delta, grad_q,
+        row_offsets, layout.col_indices,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
+        row_offsets.stride(0), *scalars,
         ROWS=tile.rows, PACK=tile.pack, **shared,
     )  # fmt: skip
 
@@ -344,12 +361,12 @@ def attention_backward(
     max_rows = configs.max_query_rows(padded, "dkdv")
     tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
     grid = (triton.cdiv(seq_len_kv, kv_rows), heads_kv, batch)
-    with device_descriptor_scratch(q.device):
-        _tuned_dkdv(padded)[grid](
-            descriptors["q"], k, v, descriptors["grad_out"], lse, delta, descriptors["grad_k"],
-            descriptors["grad_v"], transposed_offsets, transposed.col_indices,
-            *k.stride()[:3], *v.stride()[:3], head_dim,
-            lse.stride(0), lse.stride(1), transposed_offsets.stride(0), *scalars,
-            ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
-        )  # fmt: skip
+    _tuned_dkdv(padded)[grid](
+        q, k, v, grad_out, lse, delta, grad_k, grad_v,
+        transposed_offsets, transposed.col_indices,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+        *grad_k.stride()[:3], *grad_v.stride()[:3], lse.stride(0), lse.stride(1),
+        transposed_offsets.stride(0), *scalars,
+        ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
+    )  # fmt: skip
     return grad_q, grad_k, grad_v

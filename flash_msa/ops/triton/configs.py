@@ -12,7 +12,6 @@ import os
 from typing import NamedTuple
 
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def interpreting() -> bool:
@@ -62,33 +61,9 @@ def dkdv_kv_rows(head_dim_pad: int, kv_block: int) -> int:
     return min(kv_block, 128 if head_dim_pad <= 128 else 32)
 
 
-# Tensor descriptor arguments (TMA) by kernel argument name, with their tiles' block shapes.
-QUERY_TILES = ("q", "out", "grad_out", "grad_q")  # [1, ROWS, PACK, D_PAD]: packed query rows
-KEY_TILES = ("k", "v", "grad_k", "grad_v")  # [1, BLOCK_N, 1, D_PAD]: one kv head
-
-
-def set_block_shapes(nargs: dict) -> None:
-    """Config pre_hook: block shapes of the descriptor arguments from the launch's tile
-    sizes, BLOCK_N included once the autotuner has picked it (a block shape is part of a
-    descriptor's type, so each shape compiles its own kernel)."""
-    head_dim_padded = nargs["HEAD_DIM_PAD"]
-    for names, block_shape in (
-        (QUERY_TILES, [1, nargs["ROWS"], nargs["PACK"], head_dim_padded]),
-        (KEY_TILES, [1, nargs["BLOCK_N"], 1, head_dim_padded]),
-    ):
-        for name in names:
-            if isinstance(nargs.get(name), TensorDescriptor):  # not a pointer argument
-                nargs[name].block_shape = block_shape
-
-
 def _configs(inner_sizes: list[int | None], warps: tuple, stages: tuple) -> list[triton.Config]:
     return [
-        triton.Config(
-            {} if size is None else {"BLOCK_N": size},
-            num_warps=w,
-            num_stages=s,
-            pre_hook=set_block_shapes,
-        )
+        triton.Config({} if size is None else {"BLOCK_N": size}, num_warps=w, num_stages=s)
         for size in inner_sizes
         for w in warps
         for s in stages

@@ -5,28 +5,20 @@ heads of a GQA group that share a layout row, so each K/V tile is loaded once fo
 them) and walks that q block's CSR row: only active blocks cost work. Online softmax in
 fp32 with exp2; element masks (causal, window, ragged kv end) only on partial tiles.
 
-Tiles move through tensor descriptors over the [B, S, H, D] tensors (TMA on Hopper):
-no per-element pointers in registers, and out-of-bounds rows (ragged tails) and dims
-(D padded to a power of two) read as zero and are not written.
-
 The jit helpers here (tile rows, masks, loads, launch arguments) are shared with the
 backward kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton import configs
-from flash_msa.ops.triton.configs import interpreting
 
 LOG2_E = 1.4426950408889634
 LN_2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -44,31 +36,27 @@ def _packed_rows(first_position, first_head, ROWS: tl.constexpr, PACK: tl.conste
 
 
 @triton.jit
-def _load_tile(
-    desc, batch, first_position, first_head, ROWS: tl.constexpr, PACK: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):  # fmt: skip
-    """[ROWS * PACK, D_PAD] tile of ROWS positions x PACK heads (heads fastest, as in
-    _packed_rows) from a [B, S, H, D] descriptor; rows past S and dims past D read as 0."""
-    tile = desc.load([batch, first_position, first_head, 0])  # [1, ROWS, PACK, D_PAD]
-    return tile.reshape(ROWS * PACK, HEAD_DIM_PAD)
+def _row_offsets(positions, heads, stride_s, stride_h):
+    """int64 element offsets of (position, head) rows: S * H * D may pass 2^31."""
+    return positions.to(tl.int64) * stride_s + heads.to(tl.int64) * stride_h  # [R]
 
 
 @triton.jit
-def _store_tile(
-    desc, batch, first_position, first_head, tile, ROWS: tl.constexpr, PACK: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):  # fmt: skip
-    """Store a [ROWS * PACK, D_PAD] tile, cast to the descriptor's dtype; rows past S and
-    dims past D are clipped."""
-    tile = tile.to(desc.dtype).reshape(1, ROWS, PACK, HEAD_DIM_PAD)  # [1, ROWS, PACK, D_PAD]
-    desc.store([batch, first_position, first_head, 0], tile)
+def _load_rows(base, row_offsets, row_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Load a [R, HEAD_DIM_PAD] tile; invalid rows and padded dims read as 0."""
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)  # [R, D_PAD]
+    return tl.load(base + row_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _lse_offsets(batch, heads, positions, stride_lse_b, stride_lse_h):
-    """int64 offsets of (batch, head, position) rows into an fp32 [B, H, S] lse or delta."""
-    return batch.to(tl.int64) * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions
+def _store_rows(
+    base, row_offsets, row_valid, tile, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr
+):
+    """Store a [R, HEAD_DIM_PAD] tile, cast to the buffer's dtype, skipping padding."""
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)  # [R, D_PAD]
+    tl.store(base + row_offsets[:, None] + dims[None, :], tile.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -133,6 +121,18 @@ def _forward_kernel(
     lse,
     row_offsets,
     col_indices,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
     stride_lse_b,
     stride_lse_h,
     stride_layout,
@@ -144,6 +144,7 @@ def _forward_kernel(
     qk_scale,
     window_left,
     window_right,
+    HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr,
@@ -154,17 +155,21 @@ def _forward_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(S_q, ROWS), H_q // PACK, B). q, k, v, out: [B, S, H, D] tensor descriptors
-    (configs.set_block_shapes); qk_scale = softmax_scale * log2(e)."""
+    """Grid (cdiv(S_q, ROWS), H_q // PACK, B). qk_scale = softmax_scale * log2(e)."""
     tile = tl.program_id(0)
     first_head = tl.program_id(1) * PACK
-    batch = tl.program_id(2)
+    batch = tl.program_id(2).to(tl.int64)
     kv_head = first_head // group
     query_first = tile * ROWS
     query_last = query_first + ROWS - 1
 
     positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M], [BLOCK_M]
-    q_tile = _load_tile(q, batch, query_first, first_head, ROWS, PACK, HEAD_DIM_PAD)
+    row_valid = positions < seq_len_q  # [BLOCK_M]
+    q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
+    q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+
+    k_base = k + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
 
     # The group's heads in this tile share one layout row (PACK > 1 only if they do).
@@ -179,15 +184,19 @@ def _forward_kernel(
     acc = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
         key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
-        k_tile = _load_tile(k, batch, key_first, kv_head, BLOCK_N, 1, HEAD_DIM_PAD)
-        v_tile = _load_tile(v, batch, key_first, kv_head, BLOCK_N, 1, HEAD_DIM_PAD)
+        key_positions = key_first + key_range  # [BLOCK_N]
+        key_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
+        key_valid = key_positions < seq_len_kv  # [BLOCK_N]
+        k_tile = _load_rows(k_base, key_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
+        v_rows = key_positions.to(tl.int64) * stride_vs  # [BLOCK_N]
+        v_tile = _load_rows(v_base, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
 
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         scores = _mask_scores(
             scores,
             positions[:, None],
-            (key_first + key_range)[None, :],
+            key_positions[None, :],
             query_first,
             query_last,
             key_first,
@@ -211,69 +220,17 @@ def _forward_kernel(
     empty = row_sum == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
     safe_sum = tl.where(empty, 1.0, row_sum)  # [BLOCK_M]
     acc = acc / safe_sum[:, None]  # [BLOCK_M, D_PAD]
-    _store_tile(out, batch, query_first, first_head, acc, ROWS, PACK, HEAD_DIM_PAD)
+    o_rows = _row_offsets(positions, heads, stride_os, stride_oh)  # [BLOCK_M]
+    _store_rows(out + batch * stride_ob, o_rows, row_valid, acc, HEAD_DIM, HEAD_DIM_PAD)
     log_sum = tl.where(empty, float("-inf"), (row_max + tl.math.log2(safe_sum)) * LN_2)
-    lse_offsets = _lse_offsets(batch, heads, positions, stride_lse_b, stride_lse_h)  # [BLOCK_M]
-    tl.store(lse + lse_offsets, log_sum, mask=positions < seq_len_q)
+    lse_offsets = heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
+    tl.store(lse + batch * stride_lse_b + lse_offsets, log_sum, mask=row_valid)
 
 
 # ---- launch helpers (shared with backward.py) ------------------------------------------------
-def _tma_strides(tensor: torch.Tensor) -> list[int]:
-    """Strides as a TMA descriptor takes them; a size-1 dim is never stepped over, so its
-    stride (arbitrary in PyTorch, even in a contiguous tensor) becomes a valid one."""
-    strides = list(tensor.stride())
-    for dim in reversed(range(tensor.dim() - 1)):
-        if tensor.shape[dim] == 1:
-            strides[dim] = strides[dim + 1] * tensor.shape[dim + 1]
-    return strides
-
-
-def _tma_addressable(tensor: torch.Tensor) -> bool:
-    """TMA reads a tensor in place if its base is 16-byte aligned, its last dim contiguous
-    and its other strides multiples of 16 bytes."""
-    strides = _tma_strides(tensor)
-    return (
-        tensor.data_ptr() % 16 == 0
-        and strides[-1] == 1
-        and all(stride * tensor.element_size() % 16 == 0 for stride in strides[:-1])
-    )
-
-
-def tma_ready(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself if TMA can read it in place, else a fresh contiguous copy (whose
-    strides are valid since D % 8 == 0, and whose base is aligned; contiguous() alone would
-    keep a misaligned view that is already contiguous)."""
-    if _tma_addressable(tensor):
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
-def tile_descriptor(tensor: torch.Tensor, head_dim_padded: int) -> TensorDescriptor:
-    """Tensor descriptor of a [B, S, H, D] tensor that TMA can address (tma_ready). The block
-    shape is set per launch by configs.set_block_shapes."""
-    if not _tma_addressable(tensor):
-        raise ValueError(f"TMA cannot address a tensor with strides {tensor.stride()}")
-    block_shape = [1, 1, 1, head_dim_padded]
-    return TensorDescriptor(tensor, list(tensor.shape), _tma_strides(tensor), block_shape)
-
-
-@contextlib.contextmanager
-def device_descriptor_scratch(device: torch.device):
-    """Tensor descriptors built in a kernel (tl.make_tensor_descriptor) live in global
-    scratch memory that Triton requests from its allocator at launch. Provide one from
-    PyTorch's caching allocator for the launch unless the caller has set their own."""
-    if interpreting() or not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        yield
-        return
-
-    def allocate(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device=device)
-
-    token = _allocation._allocator.set(allocate)
-    try:
-        yield
-    finally:
-        _allocation._allocator.reset(token)
+def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels index rows by stride but read each row's D values contiguously."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def layout_arguments(layout: BlockLayout, heads_q: int, heads_kv: int) -> tuple[int, int]:
@@ -330,7 +287,7 @@ def attention_forward(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D] -> out like q, lse fp32 [B, H_q, S_q]."""
-    q, k, v = (tma_ready(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -340,14 +297,14 @@ def attention_forward(
     tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
     layout_batch_stride, layout_head_divisor = layout_arguments(layout, heads_q, heads_kv)
     row_offsets = layout.row_offsets.contiguous()
-    descriptors = [tile_descriptor(t, padded) for t in (q, k, v, out)]
     grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
     _tuned_forward(padded, layout.kv_block)[grid](
-        *descriptors, lse, row_offsets, layout.col_indices,
+        q, k, v, out, lse, row_offsets, layout.col_indices,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         lse.stride(0), lse.stride(1), row_offsets.stride(0),
         seq_len_q, k.shape[1], heads_q // heads_kv, layout_batch_stride, layout_head_divisor,
         softmax_scale * LOG2_E,
-        HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
         ROWS=tile.rows, PACK=tile.pack, DOT_PRECISION=dot_precision(q.dtype),
         **mask_arguments(causal, window_size),
     )  # fmt: skip
