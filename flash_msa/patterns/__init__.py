@@ -3,6 +3,7 @@
 from flash_msa.patterns.bigbird import bigbird
 from flash_msa.patterns.causal import causal
 from flash_msa.patterns.dilated import dilated
+from flash_msa.patterns.documents import documents
 from flash_msa.patterns.from_dense_mask import from_dense_mask
 from flash_msa.patterns.global_tokens import global_tokens
 from flash_msa.patterns.longformer import longformer
@@ -15,6 +16,7 @@ __all__ = [
     "bigbird",
     "causal",
     "dilated",
+    "documents",
     "from_dense_mask",
     "global_tokens",
     "longformer",

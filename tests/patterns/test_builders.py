@@ -203,3 +203,60 @@ def test_builders_are_memory_linear_at_a_million_tokens():
     assert layout.nnz == 8192 * 34 - sum(range(1, 34))  # 34 per row once the window is full
     metadata = layout.row_offsets.numel() * 4 + layout.col_indices.numel() * 4
     assert metadata < 1.2 * 2**20
+
+
+DOCUMENTS = [
+    [0, 300],
+    [0, 100, 100, 130, 131, 300],  # an empty and a one-token document
+    [0, 1, 2, 64, 200, 300],
+]
+
+
+def document_of(cu_seqlens):
+    bounds = torch.tensor(cu_seqlens)
+    positions = torch.arange(cu_seqlens[-1])
+    document = torch.searchsorted(bounds, positions, right=True) - 1
+    return document, bounds[document]  # document id and document start of each token
+
+
+@pytest.mark.parametrize("cu_seqlens", DOCUMENTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block", [16, 64])
+def test_document_aware_builders(cu_seqlens, causal, block):
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    seq_len = cu_seqlens[-1]
+    document, start = document_of(cu_seqlens)
+    same = document[:, None] == document[None, :]
+    i, j = positions(seq_len)
+    order = (j <= i) if causal else torch.ones_like(same)
+
+    def check(layout, token_mask):
+        layout._validate()
+        assert torch.equal(layout.to_dense(), blocks_of(token_mask, block))
+
+    check(patterns.documents(cu, block_size=block), same)
+    if causal:
+        check(patterns.causal(seq_len, block_size=block, cu_seqlens=cu), same & (j <= i))
+    window = 40
+    check(
+        patterns.sliding_window(seq_len, window, causal=causal, block_size=block, cu_seqlens=cu),
+        same & window_tokens(seq_len, window, causal),
+    )
+    sinks = same & (j - start[None, :] < 20) & order
+    if not causal:
+        sinks |= same & (i - start[:, None] < 20)
+    check(
+        patterns.global_tokens(seq_len, 20, causal=causal, block_size=block, cu_seqlens=cu),
+        sinks,
+    )
+
+
+def test_cu_seqlens_errors():
+    with pytest.raises(ValueError, match="must end at the number of packed tokens 300, got 200"):
+        patterns.causal(300, cu_seqlens=torch.tensor([0, 200], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens must be int32, got torch.int64"):
+        patterns.documents(torch.tensor([0, 200]))
+    with pytest.raises(ValueError, match="non-decreasing: document 1 has length -50"):
+        patterns.documents(torch.tensor([0, 100, 50, 200], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must start at 0, got 5"):
+        patterns.documents(torch.tensor([5, 200], dtype=torch.int32))
