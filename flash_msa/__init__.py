@@ -3,6 +3,12 @@
 from flash_msa import patterns
 from flash_msa.layout import BlockLayout
 from flash_msa.modules import FlashSparseAttention
-from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
 
-__all__ = ["BlockLayout", "FlashSparseAttention", "block_sparse_attn_func", "patterns"]
+__all__ = [
+    "BlockLayout",
+    "FlashSparseAttention",
+    "block_sparse_attn_func",
+    "block_sparse_attn_varlen_func",
+    "patterns",
+]

@@ -33,8 +33,10 @@ def layout_mask(
     *,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """bool [batch, heads_q, S_q, S_kv]: the layout's active blocks AND the element masks."""
+    """bool [batch, heads_q, S_q, S_kv]: the layout's active blocks AND the element masks
+    (and, with document_ids int [batch, S], only pairs of one document)."""
     blocks = layout.expand(
         batch if layout.layout_batch > 1 else 1, layout.layout_heads
     ).to_dense()  # [L, nq, nk]
@@ -44,7 +46,10 @@ def layout_mask(
     mask = mask[:, :, : layout.seq_len_q, : layout.seq_len_kv]
     q_pos = torch.arange(layout.seq_len_q, device=layout.device)[:, None]
     k_pos = torch.arange(layout.seq_len_kv, device=layout.device)[None, :]
-    return (mask & visible(q_pos, k_pos, causal, window_size)).expand(batch, -1, -1, -1)
+    mask = (mask & visible(q_pos, k_pos, causal, window_size)).expand(batch, -1, -1, -1)
+    if document_ids is not None:
+        mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    return mask
 
 
 def attention_reference(

@@ -47,7 +47,7 @@ def check_cu_seqlens(
         )
 
 
-def document_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+def document_ids_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """int32 [T]: the document of each packed token (empty documents own no token)."""
     total = int(cu_seqlens[-1])
     positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)

@@ -9,6 +9,7 @@ import torch
 
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.torch_ref import block_sparse_attention_torch
+from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: torch only
 BACKENDS = ("auto", "torch", "triton")
@@ -147,6 +148,7 @@ def _sparse_attention_forward(
     col_indices: torch.Tensor,
     t_row_offsets: torch.Tensor,
     t_col_indices: torch.Tensor,
+    document_ids: torch.Tensor | None,
     sizes: list[int],
     causal: bool,
     window_left: int,
@@ -160,12 +162,12 @@ def _sparse_attention_forward(
     layout = _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
     return attention_forward(
         q, k, v, layout, causal=causal, window_size=(window_left, window_right),
-        softmax_scale=softmax_scale,
+        softmax_scale=softmax_scale, document_ids=document_ids,
     )  # fmt: skip
 
 
 @_sparse_attention_forward.register_fake
-def _(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes, *options):
+def _(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, *options):
     batch, seq_len_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seq_len_q), dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
@@ -183,6 +185,7 @@ def _sparse_attention_backward(
     col_indices: torch.Tensor,
     t_row_offsets: torch.Tensor,
     t_col_indices: torch.Tensor,
+    document_ids: torch.Tensor | None,
     sizes: list[int],
     causal: bool,
     window_left: int,
@@ -195,6 +198,7 @@ def _sparse_attention_backward(
     return attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal,
         window_size=(window_left, window_right), softmax_scale=softmax_scale,
+        document_ids=document_ids,
     )  # fmt: skip
 
 
@@ -204,21 +208,38 @@ def _(grad_out, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *layout_tensors, sizes, causal, window_left, window_right, scale = inputs
-    ctx.save_for_backward(q, k, v, *output, *layout_tensors)
-    ctx.options = (sizes, causal, window_left, window_right, scale)
+    q, k, v, *layout_tensors, document_ids, sizes, causal, left, right, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, *layout_tensors, document_ids)
+    ctx.options = (sizes, causal, left, right, scale)
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, *layout_tensors = ctx.saved_tensors
+    q, k, v, out, lse, *layout_tensors, document_ids = ctx.saved_tensors
     dq, dk, dv = _sparse_attention_backward(
-        grad_out, q, k, v, out, lse, *layout_tensors, *ctx.options
+        grad_out, q, k, v, out, lse, *layout_tensors, document_ids, *ctx.options
     )
-    return (dq, dk, dv) + (None,) * 9
+    return (dq, dk, dv) + (None,) * 10
 
 
 _sparse_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _attention(q, k, v, layout, causal, window_size, softmax_scale, backend, document_ids):
+    """Dispatch of validated inputs: (out, lse)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    window_size = tuple(window_size)
+    if backend == "torch":
+        return block_sparse_attention_torch(
+            q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=scale,
+            document_ids=document_ids,
+        )  # fmt: skip
+    transposed = layout.transpose()
+    return _sparse_attention_forward(
+        q, k, v, layout.row_offsets, layout.col_indices,
+        transposed.row_offsets, transposed.col_indices, document_ids,
+        [getattr(layout, name) for name in LAYOUT_SIZES], causal, *window_size, scale,
+    )  # fmt: skip
 
 
 def block_sparse_attn_func(
@@ -233,31 +254,77 @@ def block_sparse_attn_func(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    document_ids: torch.Tensor | None = None,
 ):
     """Attention over the blocks `layout` marks active.
 
     q [B, S_q, H_q, D], k, v [B, S_kv, H_kv, D] with H_q % H_kv == 0 (GQA). Query i sees
     key j when their blocks are active and the element masks allow it: causal keeps
-    j <= i, window_size = (left, right) keeps i - left <= j <= i + right (-1 unbounded).
-    Returns out [B, S_q, H_q, D] (zeros where a query sees nothing) and, with
-    return_lse, lse fp32 [B, H_q, S_q] (natural log; -inf where it sees nothing).
+    j <= i, window_size = (left, right) keeps i - left <= j <= i + right (-1 unbounded),
+    document_ids (int [B, S], non-decreasing along S, self-attention only) keeps pairs of
+    one document. Returns out [B, S_q, H_q, D] (zeros where a query sees nothing) and,
+    with return_lse, lse fp32 [B, H_q, S_q] (natural log; -inf where it sees nothing).
     """
     _check_tensors(q, k, v)
     _check_layout(layout, q, k)
     backend = _check_options(
         causal, window_size, softmax_scale, dropout_p, backend, q.device, q.dtype
     )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    window_size = tuple(window_size)
-    if backend == "torch":
-        out, lse = block_sparse_attention_torch(
-            q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=scale
-        )
-    else:
-        transposed = layout.transpose()
-        out, lse = _sparse_attention_forward(
-            q, k, v, layout.row_offsets, layout.col_indices,
-            transposed.row_offsets, transposed.col_indices,
-            [getattr(layout, name) for name in LAYOUT_SIZES], causal, *window_size, scale,
-        )  # fmt: skip
+    if document_ids is not None:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"document_ids needs self-attention lengths, got S_q={q.shape[1]} and "
+                f"S_kv={k.shape[1]}"
+            )
+        check_document_ids(document_ids, q.shape[0], q.shape[1], q.device)
+    out, lse = _attention(
+        q, k, v, layout, causal, window_size, softmax_scale, backend, document_ids
+    )
     return (out, lse) if return_lse else out
+
+
+def block_sparse_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    layout: BlockLayout,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Attention over documents packed back to back, without padding.
+
+    q [T, H_q, D], k, v [T, H_kv, D]; cu_seqlens int32 [N + 1] (document starts, then T)
+    as in FlashAttention; max_seqlen >= the longest document. The layout is over the T
+    packed tokens (e.g. pattern & patterns.documents(cu_seqlens)); attention never crosses
+    a document, and causal / window_size apply within each. Returns out [T, H_q, D] and,
+    with return_lse, lse fp32 [H_q, T].
+    """
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
+            raise ValueError(
+                f"{name} must be 3-D [total_tokens, heads, head_dim] for the varlen call, got "
+                f"shape {list(tensor.shape)}; padded batches go to block_sparse_attn_func"
+            )
+    _check_tensors(*(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k, v have {k.shape[0]}; pack them alike")
+    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], max_seqlen=max_seqlen, device=q.device)
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    _check_layout(layout, q, k)
+    backend = _check_options(
+        causal, window_size, softmax_scale, dropout_p, backend, q.device, q.dtype
+    )
+    out, lse = _attention(
+        q, k, v, layout, causal, window_size, softmax_scale, backend,
+        document_ids_of(cu_seqlens)[None],
+    )  # fmt: skip
+    return (out[0], lse[0]) if return_lse else out[0]

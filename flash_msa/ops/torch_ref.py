@@ -24,10 +24,11 @@ def layout_slices(layout: BlockLayout, heads_q: int):
         yield index, batches, heads
 
 
-def _row_attention(q, k, v, layout, index, rows, *, causal, window_size, scale):
+def _row_attention(q, k, v, layout, index, rows, *, causal, window_size, scale, documents=None):
     """Attention of query blocks `rows` (int64 [R]) of layout `index`.
 
-    q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head).
+    q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head);
+    documents: int [b, S] document ids (keys of another document are not seen) or None.
     Returns out [b, R * q_block, h, D] and lse [b, h, R * q_block] (padded tail included).
     """
     offsets = layout.row_offsets[index].long()
@@ -50,7 +51,10 @@ def _row_attention(q, k, v, layout, index, rows, *, causal, window_size, scale):
     accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for ground truth
     scores = torch.einsum("brihd,brjhd->bhrij", q_rows, k_rows).to(accumulate) * scale
     keep = k_ok[:, None, :] & visible(q_pos[:, :, None], k_pos[:, None, :], causal, window_size)
-    scores = scores.masked_fill(~keep, float("-inf"))  # [b, h, R, q_block, m * kv_block]
+    keep = keep[None]  # [1 or b, R, q_block, m * kv_block]
+    if documents is not None:
+        keep = keep & (documents[:, q_pos][..., None] == documents[:, k_pos][:, :, None, :])
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))  # [b, h, R, q_block, m * kv_block]
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, R, q_block]
     finite_lse = torch.where(torch.isinf(lse), 0.0, lse)
     probs = torch.exp(scores - finite_lse[..., None])
@@ -67,8 +71,10 @@ def block_sparse_attention_torch(
     causal: bool,
     window_size: tuple[int, int],
     softmax_scale: float,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] for validated inputs."""
+    """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] for validated inputs; document_ids
+    int [B, S] keeps attention within documents."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
     kv_head_of = torch.arange(heads_q, device=q.device) // (heads_q // heads_kv)
@@ -96,6 +102,7 @@ def block_sparse_attention_torch(
                 causal=causal,
                 window_size=window_size,
                 scale=softmax_scale,
+                documents=None if document_ids is None else document_ids[batches],
             )
             for part in rows.split(chunk)
         ]

@@ -284,7 +284,7 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 tensors = {"q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v"}
 D, Q_BLOCK, KV_BLOCK = 128, 64, 128
 shared = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK, HAS_LEFT=True,
-              HAS_RIGHT=True, DOT_PRECISION="tf32")
+              HAS_RIGHT=True, HAS_DOCUMENTS=False, DOT_PRECISION="tf32")
 kernels = [
     ("forward", forward._forward_kernel, configs.forward_configs(D, KV_BLOCK)[0],
      configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), 4, True), {}),
@@ -300,7 +300,7 @@ for name, kernel, config, tile, extra in kernels:
         arg: "constexpr" if arg in constexprs
         else "*bf16" if arg in tensors
         else "*fp32" if arg in ("lse", "delta")
-        else "*i32" if arg in ("row_offsets", "col_indices", "row_indices")
+        else "*i32" if arg in ("row_offsets", "col_indices", "row_indices", "documents")
         else "fp32" if arg in ("qk_scale", "softmax_scale")
         else "i32"
         for arg in kernel.arg_names

@@ -24,6 +24,7 @@ from flash_msa.ops.triton import configs
 from flash_msa.ops.triton.forward import (
     AUTOTUNE_KEY,
     LOG2_E,
+    _documents_of,
     _load_rows,
     _mask_scores,
     _packed_rows,
@@ -31,6 +32,7 @@ from flash_msa.ops.triton.forward import (
     _row_steps,
     _step_first,
     _store_rows,
+    document_arguments,
     dot_precision,
     head_dim_pad,
     last_dim_contiguous,
@@ -82,6 +84,8 @@ def _dq_kernel(
     stride_dqh,
     stride_lse_b,
     stride_lse_h,
+    documents,
+    stride_documents_b,
     stride_layout,
     seq_len_q,
     seq_len_kv,
@@ -100,6 +104,7 @@ def _dq_kernel(
     PACK: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -119,6 +124,8 @@ def _dq_kernel(
     o_tile = _load_rows(out + batch * stride_ob, o_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
     do_rows = _row_offsets(positions, heads, stride_dos, stride_doh)  # [BLOCK_M]
     do_tile = _load_rows(grad_out + batch * stride_dob, do_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+    documents += batch * stride_documents_b
+    query_documents = _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
 
     lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
     row_delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)  # [BLOCK_M]
@@ -159,6 +166,9 @@ def _dq_kernel(
             window_right,
             HAS_LEFT,
             HAS_RIGHT,
+            documents,
+            query_documents,
+            HAS_DOCUMENTS,
         )  # [BLOCK_M, BLOCK_N]
         probs = tl.math.exp2(scores - row_lse[:, None])  # [BLOCK_M, BLOCK_N]
         grad_probs = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
@@ -202,6 +212,8 @@ def _dkdv_kernel(
     stride_dvh,
     stride_lse_b,
     stride_lse_h,
+    documents,
+    stride_documents_b,
     stride_layout,
     seq_len_q,
     seq_len_kv,
@@ -220,6 +232,7 @@ def _dkdv_kernel(
     PACK: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -237,6 +250,7 @@ def _dkdv_kernel(
     k_tile = _load_rows(k + batch * stride_kb, k_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)
     v_rows = key_positions.to(tl.int64) * stride_vs + kv_head.to(tl.int64) * stride_vh
     v_tile = _load_rows(v + batch * stride_vb, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)
+    documents += batch * stride_documents_b
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
@@ -279,6 +293,9 @@ def _dkdv_kernel(
                 window_right,
                 HAS_LEFT,
                 HAS_RIGHT,
+                documents,
+                _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[None, :],
+                HAS_DOCUMENTS,
             )  # [BLOCK_N, BLOCK_M]
             probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
             dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
@@ -317,6 +334,7 @@ def attention_backward(
     causal: bool,
     window_size: tuple[int, int],
     softmax_scale: float,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like q, k, v in their dtypes; lse fp32 [B, H_q, S_q] from the forward."""
     grad_out, q, k, v, out = (last_dim_contiguous(t) for t in (grad_out, q, k, v, out))
@@ -336,6 +354,7 @@ def attention_backward(
         Q_BLOCK=layout.q_block,
         KV_BLOCK=layout.kv_block,
         DOT_PRECISION=dot_precision(q.dtype),
+        HAS_DOCUMENTS=document_ids is not None,
         **mask_arguments(causal, window_size),
     )
     scalars = (
@@ -344,6 +363,7 @@ def attention_backward(
     )  # fmt: skip
 
     row_offsets = layout.row_offsets.contiguous()
+    documents, stride_documents, _ = document_arguments(document_ids, row_offsets)
     tile = packing(layout, layout.q_block, configs.max_query_rows(padded, "dq"), heads_q, heads_kv)
     grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
     _tuned_dq(padded, layout.kv_block)[grid](
@@ -351,7 +371,7 @@ def attention_backward(
         row_offsets, layout.col_indices,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
-        row_offsets.stride(0), *scalars,
+        documents, stride_documents, row_offsets.stride(0), *scalars,
         ROWS=tile.rows, PACK=tile.pack, **shared,
     )  # fmt: skip
 
@@ -366,7 +386,7 @@ def attention_backward(
         transposed_offsets, transposed.col_indices,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
         *grad_k.stride()[:3], *grad_v.stride()[:3], lse.stride(0), lse.stride(1),
-        transposed_offsets.stride(0), *scalars,
+        documents, stride_documents, transposed_offsets.stride(0), *scalars,
         ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
     )  # fmt: skip
     return grad_q, grad_k, grad_v

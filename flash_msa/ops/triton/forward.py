@@ -60,6 +60,15 @@ def _store_rows(
 
 
 @triton.jit
+def _documents_of(documents, positions, seq_len, HAS_DOCUMENTS: tl.constexpr):
+    """Document ids of positions (-1 past seq_len); without documents, the positions
+    themselves (never read)."""
+    if HAS_DOCUMENTS:
+        return tl.load(documents + positions, mask=positions < seq_len, other=-1)
+    return positions
+
+
+@triton.jit
 def _mask_scores(
     scores,
     query_positions,
@@ -73,11 +82,16 @@ def _mask_scores(
     window_right,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    documents,
+    query_documents,
+    HAS_DOCUMENTS: tl.constexpr,
 ):
     """Set scores of keys a query must not see to -inf (reference.visible, plus keys past
-    seq_len_kv). Whether the tile (queries [query_first, query_last] x KEY_ROWS keys from
-    key_first) needs it at all is decided from its bounds by scalar comparisons, so full
-    tiles skip all element-mask work. Causal arrives folded into the right window
+    seq_len_kv, plus keys of another document when HAS_DOCUMENTS: `documents` points at
+    this batch row's int32 [S] document ids, query_documents holds the queries'). Whether
+    the tile (queries [query_first, query_last] x KEY_ROWS keys from key_first) needs it at
+    all is decided from its bounds by scalar comparisons, so full tiles skip all
+    element-mask work. Causal arrives folded into the right window
     (right = 0). Positions broadcast to the scores' shape: [M, 1] x [1, N] in the forward
     and dQ, [1, M] x [N, 1] in dK/dV."""
     key_last = key_first + KEY_ROWS - 1
@@ -86,12 +100,19 @@ def _mask_scores(
         partial = partial | (key_last > query_first + window_right)
     if HAS_LEFT:
         partial = partial | (key_first < query_last - window_left)
+    if HAS_DOCUMENTS:  # documents are contiguous runs: one spans the tile iff its ends agree
+        first = tl.minimum(query_first, key_first)
+        last = tl.minimum(tl.maximum(query_last, key_last), seq_len_kv - 1)
+        partial = partial | (tl.load(documents + first) != tl.load(documents + last))
     if partial:
         keep = key_positions < seq_len_kv
         if HAS_RIGHT:
             keep = keep & (key_positions <= query_positions + window_right)
         if HAS_LEFT:
             keep = keep & (key_positions >= query_positions - window_left)
+        if HAS_DOCUMENTS:
+            key_documents = _documents_of(documents, key_positions, seq_len_kv, HAS_DOCUMENTS)
+            keep = keep & (key_documents == query_documents)
         scores = tl.where(keep, scores, float("-inf"))
     return scores
 
@@ -135,6 +156,8 @@ def _forward_kernel(
     stride_oh,
     stride_lse_b,
     stride_lse_h,
+    documents,
+    stride_documents_b,
     stride_layout,
     seq_len_q,
     seq_len_kv,
@@ -152,6 +175,7 @@ def _forward_kernel(
     PACK: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -167,6 +191,8 @@ def _forward_kernel(
     row_valid = positions < seq_len_q  # [BLOCK_M]
     q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
     q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+    documents += batch * stride_documents_b
+    query_documents = _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
 
     k_base = k + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -206,6 +232,9 @@ def _forward_kernel(
             window_right,
             HAS_LEFT,
             HAS_RIGHT,
+            documents,
+            query_documents,
+            HAS_DOCUMENTS,
         )  # [BLOCK_M, BLOCK_N]
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # A row with nothing visible yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
@@ -267,7 +296,18 @@ def packing(layout: BlockLayout, block: int, max_rows: int, heads_q: int, heads_
     return configs.row_tile(block, max_rows, heads_q // heads_kv, shared)
 
 
-AUTOTUNE_KEY = ["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT"]
+AUTOTUNE_KEY = [
+    "HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT", "HAS_DOCUMENTS"
+]  # fmt: skip
+
+
+def document_arguments(document_ids: torch.Tensor | None, placeholder: torch.Tensor):
+    """(pointer, batch stride, HAS_DOCUMENTS) of the optional int [B, S] document ids; the
+    placeholder stands in (never read) when there are none."""
+    if document_ids is None:
+        return placeholder, 0, False
+    documents = document_ids.to(torch.int32).contiguous()
+    return documents, documents.stride(0), True
 
 
 @functools.cache
@@ -285,8 +325,10 @@ def attention_forward(
     causal: bool,
     window_size: tuple[int, int],
     softmax_scale: float,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D] -> out like q, lse fp32 [B, H_q, S_q]."""
+    """q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D] -> out like q, lse fp32 [B, H_q, S_q].
+    document_ids int [B, S] (S_q == S_kv): keys of another document are never seen."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -297,15 +339,16 @@ def attention_forward(
     tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
     layout_batch_stride, layout_head_divisor = layout_arguments(layout, heads_q, heads_kv)
     row_offsets = layout.row_offsets.contiguous()
+    documents, stride_documents, has_documents = document_arguments(document_ids, row_offsets)
     grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
     _tuned_forward(padded, layout.kv_block)[grid](
         q, k, v, out, lse, row_offsets, layout.col_indices,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1), row_offsets.stride(0),
+        lse.stride(0), lse.stride(1), documents, stride_documents, row_offsets.stride(0),
         seq_len_q, k.shape[1], heads_q // heads_kv, layout_batch_stride, layout_head_divisor,
         softmax_scale * LOG2_E,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
         ROWS=tile.rows, PACK=tile.pack, DOT_PRECISION=dot_precision(q.dtype),
-        **mask_arguments(causal, window_size),
+        HAS_DOCUMENTS=has_documents, **mask_arguments(causal, window_size),
     )  # fmt: skip
     return out, lse
