@@ -58,13 +58,16 @@ def attention_reference(
     v: torch.Tensor,
     mask: torch.Tensor,
     softmax_scale: float | None = None,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive masked attention in the inputs' dtype (pass float64 for ground truth).
 
     q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D], mask bool broadcastable to
-    [B, H_q, S_q, S_kv]. Returns out [B, S_q, H_q, D] (zeros where a query sees
-    nothing) and lse fp32 [B, H_q, S_q] (natural log; -inf where it sees nothing).
-    """
+    [B, H_q, S_q, S_kv]; dropout_keep (bool, same shape) drops the probabilities it marks
+    False and scales the rest by 1 / (1 - dropout_p). Returns out [B, S_q, H_q, D] (zeros
+    where a query sees nothing) and lse fp32 [B, H_q, S_q] (natural log; -inf where it sees
+    nothing)."""
     group = q.shape[2] // k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     k = k.repeat_interleave(group, dim=2)
@@ -73,5 +76,7 @@ def attention_reference(
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, S_q]
     probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0))
+    if dropout_keep is not None:
+        probs = probs * dropout_keep / (1.0 - dropout_p)
     out = torch.einsum("bhij,bjhd->bihd", probs, v)
     return out, lse.float()

@@ -107,8 +107,6 @@ def _check_options(causal, window_size, softmax_scale, dropout_p, backend, devic
         )
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet; pass dropout_p=0.0")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -154,6 +152,8 @@ def _sparse_attention_forward(
     window_left: int,
     window_right: int,
     softmax_scale: float,
+    dropout_p: float,
+    dropout_seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Imported here: the kernels compile for the interpreter only if TRITON_INTERPRET
     # is set when they are first imported.
@@ -162,7 +162,8 @@ def _sparse_attention_forward(
     layout = _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
     return attention_forward(
         q, k, v, layout, causal=causal, window_size=(window_left, window_right),
-        softmax_scale=softmax_scale, document_ids=document_ids,
+        softmax_scale=softmax_scale, document_ids=document_ids, dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )  # fmt: skip
 
 
@@ -191,6 +192,8 @@ def _sparse_attention_backward(
     window_left: int,
     window_right: int,
     softmax_scale: float,
+    dropout_p: float,
+    dropout_seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from flash_msa.ops.triton.backward import attention_backward
 
@@ -198,7 +201,7 @@ def _sparse_attention_backward(
     return attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal,
         window_size=(window_left, window_right), softmax_scale=softmax_scale,
-        document_ids=document_ids,
+        document_ids=document_ids, dropout_p=dropout_p, dropout_seed=dropout_seed,
     )  # fmt: skip
 
 
@@ -208,9 +211,9 @@ def _(grad_out, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *layout_tensors, document_ids, sizes, causal, left, right, scale = inputs
+    q, k, v, *layout_tensors, document_ids = inputs[:8]
     ctx.save_for_backward(q, k, v, *output, *layout_tensors, document_ids)
-    ctx.options = (sizes, causal, left, right, scale)
+    ctx.options = inputs[8:]  # sizes, causal, window, scale, dropout p and seed
     ctx.mark_non_differentiable(output[1])
 
 
@@ -219,26 +222,31 @@ def _backward(ctx, grad_out, _grad_lse):
     dq, dk, dv = _sparse_attention_backward(
         grad_out, q, k, v, out, lse, *layout_tensors, document_ids, *ctx.options
     )
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 12
 
 
 _sparse_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _attention(q, k, v, layout, causal, window_size, softmax_scale, backend, document_ids):
+def _attention(
+    q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, document_ids
+):
     """Dispatch of validated inputs: (out, lse)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    window_size = tuple(window_size)
+    window_size, dropout_p = tuple(window_size), float(dropout_p)
     if backend == "torch":
         return block_sparse_attention_torch(
             q, k, v, layout, causal=causal, window_size=window_size, softmax_scale=scale,
-            document_ids=document_ids,
+            document_ids=document_ids, dropout_p=dropout_p,
         )  # fmt: skip
+    # A fresh Philox seed per call from PyTorch's default generator (torch.manual_seed).
+    seed = int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
     transposed = layout.transpose()
     return _sparse_attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices,
         transposed.row_offsets, transposed.col_indices, document_ids,
         [getattr(layout, name) for name in LAYOUT_SIZES], causal, *window_size, scale,
+        dropout_p, seed,
     )  # fmt: skip
 
 
@@ -278,7 +286,7 @@ def block_sparse_attn_func(
             )
         check_document_ids(document_ids, q.shape[0], q.shape[1], q.device)
     out, lse = _attention(
-        q, k, v, layout, causal, window_size, softmax_scale, backend, document_ids
+        q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, document_ids
     )
     return (out, lse) if return_lse else out
 
@@ -324,7 +332,7 @@ def block_sparse_attn_varlen_func(
         causal, window_size, softmax_scale, dropout_p, backend, q.device, q.dtype
     )
     out, lse = _attention(
-        q, k, v, layout, causal, window_size, softmax_scale, backend,
+        q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend,
         document_ids_of(cu_seqlens)[None],
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]

@@ -24,11 +24,15 @@ def layout_slices(layout: BlockLayout, heads_q: int):
         yield index, batches, heads
 
 
-def _row_attention(q, k, v, layout, index, rows, *, causal, window_size, scale, documents=None):
+def _row_attention(
+    q, k, v, layout, index, rows, *, causal, window_size, scale, documents=None, dropout_p=0.0
+):
     """Attention of query blocks `rows` (int64 [R]) of layout `index`.
 
     q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head);
-    documents: int [b, S] document ids (keys of another document are not seen) or None.
+    documents: int [b, S] document ids (keys of another document are not seen) or None;
+    dropout_p: probabilities dropped with PyTorch's generator (a different stream from the
+    Triton kernels' Philox bits), the kept ones scaled by 1 / (1 - dropout_p).
     Returns out [b, R * q_block, h, D] and lse [b, h, R * q_block] (padded tail included).
     """
     offsets = layout.row_offsets[index].long()
@@ -58,6 +62,8 @@ def _row_attention(q, k, v, layout, index, rows, *, causal, window_size, scale, 
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, R, q_block]
     finite_lse = torch.where(torch.isinf(lse), 0.0, lse)
     probs = torch.exp(scores - finite_lse[..., None])
+    if dropout_p > 0:
+        probs = probs * (torch.rand_like(probs) >= dropout_p) / (1.0 - dropout_p)
     out = torch.einsum("bhrij,brjhd->brihd", probs.to(v.dtype), v_rows)
     return out.flatten(1, 2), lse.flatten(2).float()
 
@@ -72,9 +78,10 @@ def block_sparse_attention_torch(
     window_size: tuple[int, int],
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] for validated inputs; document_ids
-    int [B, S] keeps attention within documents."""
+    int [B, S] keeps attention within documents; dropout_p drops probabilities."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
     kv_head_of = torch.arange(heads_q, device=q.device) // (heads_q // heads_kv)
@@ -103,6 +110,7 @@ def block_sparse_attention_torch(
                 window_size=window_size,
                 scale=softmax_scale,
                 documents=None if document_ids is None else document_ids[batches],
+                dropout_p=dropout_p,
             )
             for part in rows.split(chunk)
         ]

@@ -77,7 +77,6 @@ CASES = [
     ({}, {"window_size": (-2, 0)}, ValueError, r"ints >= -1 .* got \(-2, 0\)"),
     ({}, {"softmax_scale": -1.0}, ValueError, "softmax_scale must be a positive finite"),
     ({}, {"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\), got 1.5"),
-    ({}, {"dropout_p": 0.1}, NotImplementedError, "dropout_p > 0 is not supported yet"),
     ({}, {"backend": "cuda"}, ValueError, "backend must be one of .* got 'cuda'"),
 ]
 

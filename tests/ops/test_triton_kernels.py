@@ -284,7 +284,8 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 tensors = {"q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v"}
 D, Q_BLOCK, KV_BLOCK = 128, 64, 128
 shared = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK, HAS_LEFT=True,
-              HAS_RIGHT=True, HAS_DOCUMENTS=False, DOT_PRECISION="tf32")
+              HAS_RIGHT=True, HAS_DOCUMENTS=sys.argv[2] == "features",
+              HAS_DROPOUT=sys.argv[2] == "features", DOT_PRECISION="tf32")
 kernels = [
     ("forward", forward._forward_kernel, configs.forward_configs(D, KV_BLOCK)[0],
      configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), 4, True), {}),
@@ -301,7 +302,7 @@ for name, kernel, config, tile, extra in kernels:
         else "*bf16" if arg in tensors
         else "*fp32" if arg in ("lse", "delta")
         else "*i32" if arg in ("row_offsets", "col_indices", "row_indices", "documents")
-        else "fp32" if arg in ("qk_scale", "softmax_scale")
+        else "fp32" if arg in ("qk_scale", "softmax_scale", "dropout_p")
         else "i32"
         for arg in kernel.arg_names
     }
@@ -318,9 +319,11 @@ for name, kernel, config, tile, extra in kernels:
 """
 
 
-def test_kernels_compile_for_hopper(tmp_path):
+@pytest.mark.parametrize("features", ["plain", "features"])
+def test_kernels_compile_for_hopper(tmp_path, features):
     """Interpreter runs never reach Triton's GPU code generation; compile each kernel for
-    sm_90 (bf16, D = 128, GQA-packed, causal + window) with the ptxas Triton bundles."""
+    sm_90 (bf16, D = 128, GQA-packed, causal + window; plain, then with documents and
+    dropout) with the ptxas Triton bundles."""
     import os
     import subprocess
     import sys
@@ -333,7 +336,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE, str(tmp_path)],
+        [sys.executable, "-c", SM90_COMPILE, str(tmp_path), features],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

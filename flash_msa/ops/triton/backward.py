@@ -25,6 +25,7 @@ from flash_msa.ops.triton.forward import (
     AUTOTUNE_KEY,
     LOG2_E,
     _documents_of,
+    _dropout_scale,
     _load_rows,
     _mask_scores,
     _packed_rows,
@@ -86,6 +87,8 @@ def _dq_kernel(
     stride_lse_h,
     documents,
     stride_documents_b,
+    dropout_p,
+    dropout_seed,
     stride_layout,
     seq_len_q,
     seq_len_kv,
@@ -105,6 +108,7 @@ def _dq_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -172,6 +176,11 @@ def _dq_kernel(
         )  # [BLOCK_M, BLOCK_N]
         probs = tl.math.exp2(scores - row_lse[:, None])  # [BLOCK_M, BLOCK_N]
         grad_probs = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:  # dP of the kept, rescaled probabilities; delta already has them
+            grad_probs *= _dropout_scale(
+                dropout_seed, batch, heads[:, None], positions[:, None], key_positions[None, :],
+                dropout_p,
+            )  # fmt: skip
         grad_scores = probs * (grad_probs - row_delta[:, None])  # [BLOCK_M, BLOCK_N]
         dq = tl.dot(grad_scores.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
 
@@ -214,6 +223,8 @@ def _dkdv_kernel(
     stride_lse_h,
     documents,
     stride_documents_b,
+    dropout_p,
+    dropout_seed,
     stride_layout,
     seq_len_q,
     seq_len_kv,
@@ -233,6 +244,7 @@ def _dkdv_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -298,8 +310,18 @@ def _dkdv_kernel(
                 HAS_DOCUMENTS,
             )  # [BLOCK_N, BLOCK_M]
             probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
-            dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
-            grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
+            if HAS_DROPOUT:  # dV from the kept, rescaled probabilities; dP likewise
+                scale = _dropout_scale(
+                    dropout_seed, batch, heads[None, :], positions[None, :],
+                    key_positions[:, None], dropout_p,
+                )  # fmt: skip  # [BLOCK_N, BLOCK_M]
+                dropped = (probs * scale).to(do_tile.dtype)
+                dv = tl.dot(dropped, do_tile, dv, input_precision=DOT_PRECISION)
+                grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
+                grad_probs *= scale
+            else:
+                dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
+                grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
             grad_scores = probs * (grad_probs - row_delta[None, :])  # [BLOCK_N, BLOCK_M]
             dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
 
@@ -335,6 +357,8 @@ def attention_backward(
     window_size: tuple[int, int],
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like q, k, v in their dtypes; lse fp32 [B, H_q, S_q] from the forward."""
     grad_out, q, k, v, out = (last_dim_contiguous(t) for t in (grad_out, q, k, v, out))
@@ -355,6 +379,7 @@ def attention_backward(
         KV_BLOCK=layout.kv_block,
         DOT_PRECISION=dot_precision(q.dtype),
         HAS_DOCUMENTS=document_ids is not None,
+        HAS_DROPOUT=dropout_p > 0,
         **mask_arguments(causal, window_size),
     )
     scalars = (
@@ -371,7 +396,7 @@ def attention_backward(
         row_offsets, layout.col_indices,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
-        documents, stride_documents, row_offsets.stride(0), *scalars,
+        documents, stride_documents, dropout_p, dropout_seed, row_offsets.stride(0), *scalars,
         ROWS=tile.rows, PACK=tile.pack, **shared,
     )  # fmt: skip
 
@@ -386,7 +411,8 @@ def attention_backward(
         transposed_offsets, transposed.col_indices,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
         *grad_k.stride()[:3], *grad_v.stride()[:3], lse.stride(0), lse.stride(1),
-        documents, stride_documents, transposed_offsets.stride(0), *scalars,
+        documents, stride_documents, dropout_p, dropout_seed, transposed_offsets.stride(0),
+        *scalars,
         ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
     )  # fmt: skip
     return grad_q, grad_k, grad_v

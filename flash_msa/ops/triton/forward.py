@@ -69,6 +69,22 @@ def _documents_of(documents, positions, seq_len, HAS_DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
+def _dropout_scale(seed, batch, heads, query_positions, key_positions, dropout_p):
+    """Inverted-dropout factor of each score: 0 where dropped, 1 / (1 - p) where kept.
+    The bits come from Philox under `seed` with counter (key, query, head, batch), so the
+    backward regenerates them exactly and no mask is stored. Positions and heads broadcast
+    to the scores' shape."""
+    zero = 0 * query_positions + 0 * key_positions  # [scores shape]
+    keys = (key_positions + zero).to(tl.uint32)
+    queries = (query_positions + zero).to(tl.uint32)
+    head_ids = (heads + zero).to(tl.uint32)
+    batch_ids = (batch + zero).to(tl.uint32)
+    random, _, _, _ = tl.philox(seed, keys, queries, head_ids, batch_ids)
+    keep = tl.uint_to_uniform_float(random) >= dropout_p
+    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
 def _mask_scores(
     scores,
     query_positions,
@@ -158,6 +174,8 @@ def _forward_kernel(
     stride_lse_h,
     documents,
     stride_documents_b,
+    dropout_p,
+    dropout_seed,
     stride_layout,
     seq_len_q,
     seq_len_kv,
@@ -176,6 +194,7 @@ def _forward_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -243,6 +262,11 @@ def _forward_kernel(
         rescale = tl.math.exp2(row_max - shift)  # [BLOCK_M]
         row_sum = row_sum * rescale + tl.sum(probs, 1)  # [BLOCK_M]
         acc = acc * rescale[:, None]  # [BLOCK_M, D_PAD]
+        if HAS_DROPOUT:  # the normaliser row_sum keeps every probability
+            probs *= _dropout_scale(
+                dropout_seed, batch, heads[:, None], positions[:, None],
+                (key_first + key_range)[None, :], dropout_p,
+            )  # fmt: skip
         acc = tl.dot(probs.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
         row_max = new_max
 
@@ -297,7 +321,8 @@ def packing(layout: BlockLayout, block: int, max_rows: int, heads_q: int, heads_
 
 
 AUTOTUNE_KEY = [
-    "HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT", "HAS_DOCUMENTS"
+    "HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT", "HAS_DOCUMENTS",
+    "HAS_DROPOUT",
 ]  # fmt: skip
 
 
@@ -326,9 +351,12 @@ def attention_forward(
     window_size: tuple[int, int],
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D] -> out like q, lse fp32 [B, H_q, S_q].
-    document_ids int [B, S] (S_q == S_kv): keys of another document are never seen."""
+    document_ids int [B, S] (S_q == S_kv): keys of another document are never seen.
+    dropout_p > 0 drops probabilities by Philox bits under dropout_seed (dropout.py)."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]
@@ -344,11 +372,13 @@ def attention_forward(
     _tuned_forward(padded, layout.kv_block)[grid](
         q, k, v, out, lse, row_offsets, layout.col_indices,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1), documents, stride_documents, row_offsets.stride(0),
+        lse.stride(0), lse.stride(1), documents, stride_documents, dropout_p, dropout_seed,
+        row_offsets.stride(0),
         seq_len_q, k.shape[1], heads_q // heads_kv, layout_batch_stride, layout_head_divisor,
         softmax_scale * LOG2_E,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
         ROWS=tile.rows, PACK=tile.pack, DOT_PRECISION=dot_precision(q.dtype),
-        HAS_DOCUMENTS=has_documents, **mask_arguments(causal, window_size),
+        HAS_DOCUMENTS=has_documents, HAS_DROPOUT=dropout_p > 0,
+        **mask_arguments(causal, window_size),
     )  # fmt: skip
     return out, lse
