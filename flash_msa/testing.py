@@ -51,3 +51,31 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     difference = torch.linalg.vector_norm(actual[finite] - expected[finite])
     return float(difference / torch.linalg.vector_norm(expected[finite]).clamp_min(1e-30))
+
+
+def sampled_rows_reference(q, k, v, layout, rows, grad_out, softmax_scale=None):
+    """float32 out and dq of the query blocks `rows` of batch 0 under causal attention
+    over their active blocks (layout head 0), one block row at a time: a check of long
+    sequences whose full reference would not fit. q [1, S, H_q, D], k/v [1, S, H_kv, D];
+    returns out and dq [len(rows) * q_block (cut at S), H_q, D]."""
+    heads_q, heads_kv, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    outs, grads = [], []
+    for row in rows:
+        start, end = layout.row_offsets[0, row], layout.row_offsets[0, row + 1]
+        blocks = layout.col_indices[start:end].long()
+        within = torch.arange(layout.kv_block, device=q.device)
+        keys = (blocks[:, None] * layout.kv_block + within).flatten()
+        keys = keys[keys < k.shape[1]]  # [N]
+        queries = row * layout.q_block + torch.arange(layout.q_block, device=q.device)
+        queries = queries[queries < q.shape[1]]  # [M]
+        q_rows = q[0, queries].detach().float().requires_grad_()  # [M, H_q, D]
+        k_rows = k[0, keys].detach().float().repeat_interleave(heads_q // heads_kv, dim=1)
+        v_rows = v[0, keys].detach().float().repeat_interleave(heads_q // heads_kv, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", q_rows, k_rows) * scale  # [H_q, M, N]
+        scores = scores.masked_fill(keys[None, None, :] > queries[None, :, None], float("-inf"))
+        out = torch.einsum("hij,jhd->ihd", scores.softmax(-1), v_rows)  # [M, H_q, D]
+        out.backward(grad_out[0, queries].float())
+        outs.append(out.detach())
+        grads.append(q_rows.grad)
+    return torch.cat(outs), torch.cat(grads)
