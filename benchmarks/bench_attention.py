@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
+import itertools
 import json
 import pathlib
 
 import torch
 import triton
 
-from flash_msa import block_sparse_attn_func, patterns
+from flash_msa import block_sparse_attn_func, block_sparse_attn_varlen_func, patterns
 from flash_msa.layout import BlockLayout
+from flash_msa.sequences import document_ids_of
 
 K, M = 1024, 1024 * 1024
 HEAD_DIM = 128
@@ -43,6 +46,13 @@ def window_layout(seq_len: int, device) -> BlockLayout:
         seq_len, 128, device=device
     )
 
+
+# name -> document lengths (packed back to back, causal within each)
+VARLEN_CASES = {
+    "varlen-1x128k": [128 * K],
+    "varlen-16x8k": [8 * K] * 16,
+    "varlen-skewed-128k": [64 * K, 32 * K, 16 * K, 8 * K, 4 * K, 2 * K, K, K],
+}
 
 # name -> (seq_len, heads_q, heads_kv, layout builder, dense sdpa too)
 CASES = {
@@ -100,21 +110,76 @@ def measure(fn, grads_of) -> dict:
     )
 
 
-def run_case(name: str, device, dense_timings: dict) -> list[dict]:
-    """Records of every implementation on one case. Dense SDPA does not depend on the
-    layout: its timings are measured once per shape and reused (dense_timings)."""
-    seq_len, heads_q, heads_kv, build, dense = CASES[name]
-    layout = build(seq_len, device)
+def random_inputs(seq_len: int, heads_q: int, heads_kv: int, device):
+    """bf16 q [1, S, H_q, D], k, v [1, S, H_kv, D] (requiring grad) and dout, from a seed."""
     generator = torch.Generator(device=device).manual_seed(1)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.bfloat16)
+    def randn(heads):
+        return torch.randn(1, seq_len, heads, HEAD_DIM, generator=generator, device=device,
+                           dtype=torch.bfloat16)  # fmt: skip
 
-    q = randn(1, seq_len, heads_q, HEAD_DIM).requires_grad_()
-    k = randn(1, seq_len, heads_kv, HEAD_DIM).requires_grad_()
-    v = randn(1, seq_len, heads_kv, HEAD_DIM).requires_grad_()
-    dout = randn(1, seq_len, heads_q, HEAD_DIM)
+    q, k, v = (randn(h).requires_grad_() for h in (heads_q, heads_kv, heads_kv))
+    return q, k, v, randn(heads_q)
+
+
+def time_impls(name, impls, inputs, shape, density, dense_timings) -> list[dict]:
+    """Time every implementation (name -> (fn returning [1, S, H_q, D], FLOPs)) on one case.
+    Dense SDPA does not depend on the layout: measured once per shape (dense_timings)."""
+    q, k, v, dout = inputs
+    seq_len, heads_q, heads_kv = shape
     grads_of = dict(dout=dout, inputs=[q, k, v])
+    with torch.no_grad():  # agreement of the sparse implementations on these inputs
+        ours, theirs = impls["flash_msa"][0]().float(), impls["flex"][0]().float()
+        agreement = float((ours - theirs).norm() / theirs.norm())
+    records = []
+    for impl, (fn, flops) in impls.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        shape_key = (impl, *shape)
+        try:
+            if impl.startswith("sdpa") and shape_key in dense_timings:
+                timing = dense_timings[shape_key]
+            else:
+                timing = measure(fn, grads_of)
+        except torch.OutOfMemoryError:
+            print(f"{name:22s} {impl:10s} out of memory")
+            continue
+        if impl.startswith("sdpa"):
+            dense_timings[shape_key] = timing
+        record = dict(
+            case=name,
+            seq_len=seq_len,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            impl=impl,
+            density=density,
+            **{key: round(value, 4) for key, value in timing.items()},
+            fwd_tflops=round(flops / timing["fwd_ms"] / 1e9, 1),
+            fwd_bwd_tflops=round(3.5 * flops / timing["fwd_bwd_ms"] / 1e9, 1),
+            rel_diff_vs_flex=agreement if impl == "flash_msa" else None,
+        )
+        records.append(record)
+        print(
+            f"{name:22s} {impl:10s} fwd {record['fwd_ms']:9.3f} ms {record['fwd_tflops']:6.1f} TF/s"
+            f"  fwd+bwd {record['fwd_bwd_ms']:9.3f} ms {record['fwd_bwd_tflops']:6.1f} TF/s"
+            f"  peak {record['peak_gib']:6.2f} GiB",
+            flush=True,
+        )
+    return records
+
+
+def compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def run_case(name: str, device, dense_timings: dict) -> list[dict]:
+    """flash-msa, FlexAttention on the same blocks, and dense SDPA where it fits."""
+    seq_len, heads_q, heads_kv, build, dense = CASES[name]
+    layout = build(seq_len, device)
+    q, k, v, dout = inputs = random_inputs(seq_len, heads_q, heads_kv, device)
     if name.startswith("causal"):
         sparse_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q  # the anchors' count
     else:
@@ -124,10 +189,7 @@ def run_case(name: str, device, dense_timings: dict) -> list[dict]:
     impls = {
         "flash_msa": (lambda: block_sparse_attn_func(q, k, v, layout, causal=True), sparse_flops)
     }
-    from torch.nn.attention.flex_attention import flex_attention
-
-    torch._dynamo.reset()
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = compiled_flex()
     block_mask = flex_block_mask(layout, heads_q)
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
     impls["flex"] = (
@@ -152,45 +214,51 @@ def run_case(name: str, device, dense_timings: dict) -> list[dict]:
                     )
 
             impls[impl] = (sdpa, dense_flops)
+    shape = (seq_len, heads_q, heads_kv)
+    return time_impls(name, impls, inputs, shape, layout.density, dense_timings)
 
-    with torch.no_grad():  # agreement of the sparse implementations on these inputs
-        ours, theirs = impls["flash_msa"][0]().float(), impls["flex"][0]().float()
-        agreement = float((ours - theirs).norm() / theirs.norm())
-    records = []
-    for impl, (fn, flops) in impls.items():
-        gc.collect()
-        torch.cuda.empty_cache()
-        shape_key = (impl, seq_len, heads_q, heads_kv)
-        try:
-            if impl.startswith("sdpa") and shape_key in dense_timings:
-                timing = dense_timings[shape_key]
-            else:
-                timing = measure(fn, grads_of)
-        except torch.OutOfMemoryError:
-            print(f"{name:22s} {impl:10s} out of memory")
-            continue
-        if impl.startswith("sdpa"):
-            dense_timings[shape_key] = timing
-        record = dict(
-            case=name,
-            seq_len=seq_len,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            impl=impl,
-            density=layout.density,
-            **{key: round(value, 4) for key, value in timing.items()},
-            fwd_tflops=round(flops / timing["fwd_ms"] / 1e9, 1),
-            fwd_bwd_tflops=round(3.5 * flops / timing["fwd_bwd_ms"] / 1e9, 1),
-            rel_diff_vs_flex=agreement if impl == "flash_msa" else None,
+
+def run_varlen_case(name: str, device, dense_timings: dict) -> list[dict]:
+    """Packed causal documents: flash-msa's varlen call, FlexAttention with a document
+    mask, and FlashAttention-2's varlen kernel (torch.nn.attention.varlen), H = 16."""
+    lengths, heads = VARLEN_CASES[name], 16
+    total, longest = sum(lengths), max(lengths)
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    layout = patterns.causal(total, device=device, cu_seqlens=bounds)
+    q, k, v, dout = inputs = random_inputs(total, heads, heads, device)
+    flops = sum(4 * HEAD_DIM * length * length / 2 for length in lengths) * heads
+    impls = {
+        "flash_msa": (
+            lambda: block_sparse_attn_varlen_func(
+                q[0], k[0], v[0], bounds, longest, layout, causal=True
+            )[None],
+            flops,
         )
-        records.append(record)
-        print(
-            f"{name:22s} {impl:10s} fwd {record['fwd_ms']:9.3f} ms {record['fwd_tflops']:6.1f} TF/s"
-            f"  fwd+bwd {record['fwd_bwd_ms']:9.3f} ms {record['fwd_bwd_tflops']:6.1f} TF/s"
-            f"  peak {record['peak_gib']:6.2f} GiB",
-            flush=True,
+    }
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    documents = document_ids_of(bounds)
+
+    def causal_documents(batch, head, q_index, kv_index):
+        return (documents[q_index] == documents[kv_index]) & (q_index >= kv_index)
+
+    block_mask = create_block_mask(causal_documents, 1, 1, total, total, device=device,
+                                   _compile=True)  # fmt: skip
+    flex = compiled_flex()
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))
+    impls["flex"] = (lambda: flex(q_t, k_t, v_t, block_mask=block_mask).transpose(1, 2), flops)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    if varlen_attn is not None:
+        parameters = inspect.signature(varlen_attn).parameters
+        causal = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
+        impls["sdpa_flash"] = (
+            lambda: varlen_attn(q[0], k[0], v[0], bounds, bounds, longest, longest, **causal)[None],
+            flops,
         )
-    return records
+    return time_impls(name, impls, inputs, (total, heads, heads), layout.density, {})
 
 
 def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> None:
@@ -251,7 +319,7 @@ def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join([*CASES, *VARLEN_CASES]))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -268,7 +336,8 @@ def main() -> None:
     )
     records, dense_timings = [], {}
     for name in args.cases.split(","):
-        records += run_case(name, device, dense_timings)
+        run = run_varlen_case if name in VARLEN_CASES else run_case
+        records += run(name, device, dense_timings)
         write_reports(records, meta, out_dir)  # partial results survive a timeout
     print(f"wrote {out_dir}/attention.json, attention.md, attention.png")
 
