@@ -1,0 +1,252 @@
+"""MSA block scores: the max causal proxy logit of every (query block, kv block) pair.
+
+score(b, c) = proxy_softmax_scale * max over i in query block b, j in kv block c, j <= i of
+q_proxy[i] . k_proxy[j]; -inf where no pair exists (c past the diagonal). One program owns
+one query block of one batch for PACK proxy heads that share a proxy key head (so each key
+tile is loaded once for them, and a 64-position query block still makes a 128-row tile), and
+walks the kv blocks c <= diagonal: S = Q K^T per tile, reduced by max, never exponentiated
+and never written. Memory: the [B, H_p, nq, nk] output only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_msa.layout import BLOCK_SIZES
+from flash_msa.ops.triton.configs import interpreting
+
+MAX_TILE_ROWS = 128  # query rows (positions x packed heads) of one program
+TAIL_COLUMNS = 64  # -inf columns written per store past the diagonal
+
+
+@triton.jit
+def _kv_block_max(
+    q_tile,
+    k_base,
+    stride_k_s,
+    positions,
+    kv_first,
+    kv_end,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Max over keys [kv_first, kv_end) of each row's logit: [BLOCK_M] fp32. Without
+    CAUSAL_MASK every key is visible to every row (whole blocks before the first query);
+    with it keys after a row's position, or at kv_end and past, count as -inf."""
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    row_max = tl.full(positions.shape, float("-inf"), tl.float32)  # [BLOCK_M]
+    for start in range(kv_first, kv_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_pointers = k_base + keys.to(tl.int64)[:, None] * stride_k_s + dims[None, :]
+        if CAUSAL_MASK:
+            key_valid = keys < kv_end
+            k_tile = tl.load(
+                k_pointers, mask=key_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0
+            )  # [BLOCK_N, D_PAD]
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)  # [M, N]
+            visible = (keys[None, :] <= positions[:, None]) & key_valid[None, :]  # [M, N]
+            logits = tl.where(visible, logits, float("-inf"))
+        else:
+            k_tile = tl.load(k_pointers, mask=dims[None, :] < HEAD_DIM, other=0.0)  # [N, D_PAD]
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)  # [M, N]
+        row_max = tl.maximum(row_max, tl.max(logits, axis=1))  # [BLOCK_M]
+    return row_max
+
+
+@triton.jit
+def _store_block_max(
+    out_row, c, row_max, row_valid, scale, Q_BLOCK: tl.constexpr, PACK: tl.constexpr
+):
+    """Reduce [BLOCK_M] row maxima to one score per packed head and store column c."""
+    # Rows past the sequence end hold zero queries: drop them before the max over rows.
+    row_max = tl.where(row_valid, row_max, float("-inf"))  # [BLOCK_M]
+    head_max = tl.max(tl.reshape(row_max, (Q_BLOCK, PACK)), axis=0)  # [PACK]
+    tl.store(out_row + c, head_max * scale)
+
+
+@triton.jit
+def _block_scores_kernel(
+    q_proxy,
+    k_proxy,
+    scores,
+    stride_q_b,
+    stride_q_s,
+    stride_q_h,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_o_b,
+    stride_o_h,
+    stride_o_q,
+    seq_len,
+    num_kv_blocks,
+    proxy_group,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    PACK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    first_head = tl.program_id(1) * PACK
+    batch = tl.program_id(2).to(tl.int64)
+    key_head = first_head // proxy_group  # PACK divides the group: one key head for all
+
+    # Rows: Q_BLOCK positions x PACK heads, heads fastest (adjacent in [S, H, D] memory).
+    rows = tl.arange(0, Q_BLOCK * PACK)  # [BLOCK_M]
+    first = q_block_id * Q_BLOCK
+    positions = first + rows // PACK  # [BLOCK_M]
+    row_valid = positions < seq_len
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    q_offsets = positions.to(tl.int64) * stride_q_s + (first_head + rows % PACK) * stride_q_h
+    q_tile = tl.load(
+        q_proxy + batch * stride_q_b + q_offsets[:, None] + dims[None, :],
+        mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
+    k_base = k_proxy + batch * stride_k_b + key_head * stride_k_h
+
+    heads = first_head + tl.arange(0, PACK)  # [PACK]
+    out_row = (
+        scores + batch * stride_o_b + heads.to(tl.int64) * stride_o_h + q_block_id * stride_o_q
+    )
+    last = tl.minimum(first + Q_BLOCK, seq_len) - 1
+    diagonal = last // KV_BLOCK
+    # kv blocks wholly at or before the first query need no causal mask.
+    unmasked_end = (first + 1) // KV_BLOCK
+    for c in range(0, unmasked_end):
+        row_max = _kv_block_max(
+            q_tile, k_base, stride_k_s, positions, c * KV_BLOCK, (c + 1) * KV_BLOCK,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+        _store_block_max(out_row, c, row_max, row_valid, scale, Q_BLOCK, PACK)
+    for c in range(unmasked_end, diagonal + 1):  # one block unless q_block > kv_block
+        row_max = _kv_block_max(
+            q_tile, k_base, stride_k_s, positions, c * KV_BLOCK,
+            tl.minimum((c + 1) * KV_BLOCK, last + 1),
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
+        _store_block_max(out_row, c, row_max, row_valid, scale, Q_BLOCK, PACK)
+    for start in range(diagonal + 1, num_kv_blocks, TAIL):
+        columns = start + tl.arange(0, TAIL)  # [TAIL]
+        tail = tl.full((PACK, TAIL), float("-inf"), tl.float32)  # [PACK, TAIL]
+        tl.store(out_row[:, None] + columns[None, :], tail, mask=columns[None, :] < num_kv_blocks)
+
+
+def _configs(kv_block: int) -> list[triton.Config]:
+    """BLOCK_N (key rows per dot, dividing kv_block), warps and stages; one under the
+    interpreter, which cannot time them (BLOCK_N 32 < kv_block keeps sub-block steps tested)."""
+    if interpreting():
+        return [triton.Config({"BLOCK_N": min(kv_block, 32)}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": size}, num_warps=warps, num_stages=stages)
+        for size in sorted({min(kv_block, 64), min(kv_block, 128)})
+        for warps in (4, 8)
+        for stages in (2, 3, 4)
+    ]
+
+
+@functools.cache
+def _tuned_kernel(kv_block: int):
+    return triton.autotune(
+        configs=_configs(kv_block), key=["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "PACK"]
+    )(_block_scores_kernel)
+
+
+def _pack(q_block: int, group: int) -> int:
+    """Proxy heads per program: a power of two dividing the group, up to MAX_TILE_ROWS rows."""
+    return min(group & -group, max(MAX_TILE_ROWS // q_block, 1))
+
+
+def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> None:
+    for name, tensor in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, S, H, D_p], got shape {list(tensor.shape)}")
+        if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(
+                f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}; "
+                "block_scores_reference handles float64"
+            )
+    if q_proxy.dtype != k_proxy.dtype or q_proxy.device != k_proxy.device:
+        raise ValueError(
+            f"q_proxy ({q_proxy.dtype}, {q_proxy.device}) and k_proxy ({k_proxy.dtype}, "
+            f"{k_proxy.device}) must share dtype and device"
+        )
+    (batch, seq_len, heads, dim), k_shape = q_proxy.shape, k_proxy.shape
+    if (k_shape[0], k_shape[1], k_shape[3]) != (batch, seq_len, dim):
+        raise ValueError(
+            f"k_proxy {list(k_shape)} must match q_proxy {list(q_proxy.shape)} in B, S and D_p"
+        )
+    if heads % k_shape[2] != 0:
+        raise ValueError(
+            f"proxy heads H_p = {heads} must be a multiple of proxy key heads H_pk = {k_shape[2]}"
+        )
+    for name, value in (("q_block", q_block), ("kv_block", kv_block)):
+        if value not in BLOCK_SIZES:
+            raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value!r}")
+    if proxy_softmax_scale is not None and not proxy_softmax_scale > 0:
+        raise ValueError(
+            f"proxy_softmax_scale must be > 0 (a max is taken before scaling), "
+            f"got {proxy_softmax_scale!r}"
+        )
+    shape = (batch, heads, math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
+    if out is not None and (
+        tuple(out.shape) != shape
+        or out.dtype != torch.float32
+        or out.device != q_proxy.device
+        or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"out must be a float32 {list(shape)} tensor on {q_proxy.device} with unit last "
+            f"stride, got {out.dtype} {list(out.shape)} stride {out.stride()} on {out.device}"
+        )
+
+
+def block_scores(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    *,
+    q_block: int,
+    kv_block: int,
+    proxy_softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] -> fp32 [B, H_p, nq, nk] block scores
+    (see the module docstring); every element is written, so `out` may be reused across steps.
+    Proxy head p reads key head p // (H_p / H_pk). proxy_softmax_scale defaults to 1/sqrt(D_p)."""
+    _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out)
+    batch, seq_len, heads, dim = q_proxy.shape
+    scale = 1.0 / math.sqrt(dim) if proxy_softmax_scale is None else proxy_softmax_scale
+    q_proxy = q_proxy if q_proxy.stride(-1) == 1 else q_proxy.contiguous()
+    k_proxy = k_proxy if k_proxy.stride(-1) == 1 else k_proxy.contiguous()
+    num_q_blocks, num_kv_blocks = math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block)
+    if out is None:
+        out = torch.empty(
+            batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q_proxy.device
+        )
+    group = heads // k_proxy.shape[2]
+    pack = _pack(q_block, group)
+    grid = (num_q_blocks, heads // pack, batch)
+    _tuned_kernel(kv_block)[grid](
+        q_proxy, k_proxy, out,
+        *q_proxy.stride()[:3], *k_proxy.stride()[:3], *out.stride()[:3],
+        seq_len, num_kv_blocks, group, scale,
+        HEAD_DIM=dim, HEAD_DIM_PAD=max(triton.next_power_of_2(dim), 16), Q_BLOCK=q_block,
+        KV_BLOCK=kv_block, PACK=pack,
+        DOT_PRECISION="ieee" if q_proxy.dtype == torch.float32 else "tf32", TAIL=TAIL_COLUMNS,
+    )  # fmt: skip
+    return out
