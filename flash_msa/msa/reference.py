@@ -121,9 +121,7 @@ def msa_reference(
 
     with torch.no_grad():
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-        logits = torch.einsum(
-            "bihd,bjhd->bhij", q, k.repeat_interleave(heads_q // heads_kv, dim=2)
-        )
+        logits = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(heads_q // heads_kv, dim=2))
         logits = logits * scale  # [B, H_q, S, S]
         probs = torch.softmax(logits.masked_fill(~mask.repeat_interleave(group, 1), -math.inf), -1)
         teacher = probs.view(batch, heads_proxy, group, seq_len, seq_len).mean(2)  # [B, H_p, S, S]
