@@ -63,6 +63,7 @@ class BlockLayout:
         self.layout_batch = layout_batch
         self.layout_heads = layout_heads
         self._transposed: BlockLayout | None = None
+        self._heavy_rows_first: torch.Tensor | None = None
         if validate:
             self._validate()
 
@@ -158,6 +159,15 @@ class BlockLayout:
     def row_counts(self) -> torch.Tensor:
         """Active blocks per row, int64 [L * num_q_blocks]."""
         return (self.row_offsets[:, 1:] - self.row_offsets[:, :-1]).flatten().long()
+
+    def heavy_rows_first(self) -> torch.Tensor:
+        """int32 [num_q_blocks]: the rows by descending work summed over the L layouts (ties
+        keep their order), cached. Kernels launch the longest rows first, so the grid ends
+        on short ones instead of waiting for a long last row."""
+        if self._heavy_rows_first is None:
+            work = self.row_counts().view(self.num_layouts, self.num_q_blocks).sum(0)
+            self._heavy_rows_first = torch.argsort(work, descending=True, stable=True).int()
+        return self._heavy_rows_first
 
     def entry_rows(self) -> torch.Tensor:
         """Flat row id (layout * num_q_blocks + row) of each entry, int64 [nnz]."""

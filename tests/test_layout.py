@@ -155,3 +155,12 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "layout.png"
     patterns.stack([patterns.causal(4096), patterns.sliding_window(4096, 512)]).plot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_heavy_rows_first_orders_rows_by_work():
+    layout = patterns.stack(
+        [patterns.causal(80, block_size=16), patterns.causal(80, block_size=16)]
+    )
+    assert layout.heavy_rows_first().tolist() == [4, 3, 2, 1, 0]
+    window = patterns.sliding_window(96, 16, block_size=16)  # rows 1.. have 2 blocks, row 0 one
+    assert window.heavy_rows_first().tolist() == [1, 2, 3, 4, 5, 0]  # ties keep their order

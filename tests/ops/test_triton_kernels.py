@@ -301,7 +301,8 @@ for name, kernel, config, tile, extra in kernels:
         arg: "constexpr" if arg in constexprs
         else "*bf16" if arg in tensors
         else "*fp32" if arg in ("lse", "delta")
-        else "*i32" if arg in ("row_offsets", "col_indices", "row_indices", "documents")
+        else "*i32" if arg in ("row_offsets", "col_indices", "row_indices", "documents",
+                               "tile_order")
         else "fp32" if arg in ("qk_scale", "softmax_scale", "dropout_p")
         else "i32"
         for arg in kernel.arg_names

@@ -40,6 +40,7 @@ from flash_msa.ops.triton.forward import (
     layout_arguments,
     mask_arguments,
     packing,
+    tile_order,
 )
 
 LOG2_E_CONSTANT: tl.constexpr = tl.constexpr(LOG2_E)
@@ -65,6 +66,7 @@ def _dq_kernel(
     grad_q,
     row_offsets,
     col_indices,
+    tile_order,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -112,8 +114,9 @@ def _dq_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(S_q, ROWS), H_q // PACK, B); lse and delta are fp32 [B, H_q, S_q]."""
-    tile = tl.program_id(0)
+    """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B), tiles in tile_order; lse and
+    delta are fp32 [B, H_q, S_q]."""
+    tile = tl.load(tile_order + tl.program_id(0))  # heavy rows first
     first_head = tl.program_id(1) * PACK
     batch = tl.program_id(2).to(tl.int64)
     kv_head = first_head // group
@@ -248,9 +251,10 @@ def _dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(S_kv, BLOCK_N), H_kv, B). row_offsets / row_indices: the transposed
-    layout (rows = kv blocks, entries = q blocks). Query tiles are ROWS positions x PACK
-    heads of the group, as in the forward."""
+    """Grid (cdiv(S_kv, BLOCK_N), H_kv, B), in kv order: under a causal layout the first kv
+    blocks are used by the most query blocks, so the heavy tiles already start first.
+    row_offsets / row_indices: the transposed layout (rows = kv blocks, entries = q
+    blocks). Query tiles are ROWS positions x PACK heads of the group, as in the forward."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -390,10 +394,11 @@ def attention_backward(
     row_offsets = layout.row_offsets.contiguous()
     documents, stride_documents, _ = document_arguments(document_ids, row_offsets)
     tile = packing(layout, layout.q_block, configs.max_query_rows(padded, "dq"), heads_q, heads_kv)
-    grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
+    order = tile_order(layout, tile.rows)
+    grid = (order.numel(), heads_q // tile.pack, batch)
     _tuned_dq(padded, layout.kv_block)[grid](
         q, k, v, out, grad_out, lse, delta, grad_q,
-        row_offsets, layout.col_indices,
+        row_offsets, layout.col_indices, order,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
         documents, stride_documents, dropout_p, dropout_seed, row_offsets.stride(0), *scalars,

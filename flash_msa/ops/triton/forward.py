@@ -158,6 +158,7 @@ def _forward_kernel(
     lse,
     row_offsets,
     col_indices,
+    tile_order,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -198,8 +199,9 @@ def _forward_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(S_q, ROWS), H_q // PACK, B). qk_scale = softmax_scale * log2(e)."""
-    tile = tl.program_id(0)
+    """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B); tile_order maps program 0..
+    to the query tile it runs (heavy rows first). qk_scale = softmax_scale * log2(e)."""
+    tile = tl.load(tile_order + tl.program_id(0))
     first_head = tl.program_id(1) * PACK
     batch = tl.program_id(2).to(tl.int64)
     kv_head = first_head // group
@@ -326,6 +328,14 @@ AUTOTUNE_KEY = [
 ]  # fmt: skip
 
 
+def tile_order(layout: BlockLayout, rows: int) -> torch.Tensor:
+    """int32 [num_q_blocks * q_block // rows]: the query tiles of `rows` positions in the order
+    of layout.heavy_rows_first() (tiles past the sequence end only write nothing)."""
+    per_block = layout.q_block // rows
+    within = torch.arange(per_block, device=layout.device)
+    return (layout.heavy_rows_first()[:, None] * per_block + within).flatten().int()
+
+
 def document_arguments(document_ids: torch.Tensor | None, placeholder: torch.Tensor):
     """(pointer, batch stride, HAS_DOCUMENTS) of the optional int [B, S] document ids; the
     placeholder stands in (never read) when there are none."""
@@ -368,9 +378,10 @@ def attention_forward(
     layout_batch_stride, layout_head_divisor = layout_arguments(layout, heads_q, heads_kv)
     row_offsets = layout.row_offsets.contiguous()
     documents, stride_documents, has_documents = document_arguments(document_ids, row_offsets)
-    grid = (triton.cdiv(seq_len_q, tile.rows), heads_q // tile.pack, batch)
+    order = tile_order(layout, tile.rows)
+    grid = (order.numel(), heads_q // tile.pack, batch)
     _tuned_forward(padded, layout.kv_block)[grid](
-        q, k, v, out, lse, row_offsets, layout.col_indices,
+        q, k, v, out, lse, row_offsets, layout.col_indices, order,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         lse.stride(0), lse.stride(1), documents, stride_documents, dropout_p, dropout_seed,
         row_offsets.stride(0),
