@@ -145,23 +145,25 @@ def _block_scores_kernel(
         tl.store(out_row[:, None] + columns[None, :], tail, mask=columns[None, :] < num_kv_blocks)
 
 
-def _configs(kv_block: int) -> list[triton.Config]:
+def _configs(kv_block: int, block_m: int) -> list[triton.Config]:
     """BLOCK_N (key rows per dot, dividing kv_block), warps and stages; one under the
-    interpreter, which cannot time them (BLOCK_N 32 < kv_block keeps sub-block steps tested)."""
+    interpreter, which cannot time them (BLOCK_N 32 < kv_block keeps sub-block steps tested).
+    Compiled for sm_90 with Triton 3.6's ptxas (bf16, D_p = 128): every config uses wgmma;
+    4 warps spill on 128 x 128 tiles, so they only get smaller ones."""
     if interpreting():
         return [triton.Config({"BLOCK_N": min(kv_block, 32)}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": size}, num_warps=warps, num_stages=stages)
         for size in sorted({min(kv_block, 64), min(kv_block, 128)})
-        for warps in (4, 8)
+        for warps in ((4, 8) if block_m * size < 128 * 128 else (8,))
         for stages in (2, 3, 4)
     ]
 
 
 @functools.cache
-def _tuned_kernel(kv_block: int):
+def _tuned_kernel(kv_block: int, block_m: int):
     return triton.autotune(
-        configs=_configs(kv_block), key=["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "PACK"]
+        configs=_configs(kv_block, block_m), key=["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "PACK"]
     )(_block_scores_kernel)
 
 
@@ -241,7 +243,7 @@ def block_scores(
     group = heads // k_proxy.shape[2]
     pack = _pack(q_block, group)
     grid = (num_q_blocks, heads // pack, batch)
-    _tuned_kernel(kv_block)[grid](
+    _tuned_kernel(kv_block, q_block * pack)[grid](
         q_proxy, k_proxy, out,
         *q_proxy.stride()[:3], *k_proxy.stride()[:3], *out.stride()[:3],
         seq_len, num_kv_blocks, group, scale,

@@ -121,3 +121,63 @@ def test_block_scores_rejects_bad_arguments():
         block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, proxy_softmax_scale=-1.0)
     with pytest.raises(ValueError, match=r"out must be a float32 \[2, 4, 2, 2\]"):
         block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, out=torch.empty(2, 4, 2, 3))
+
+
+SM90_COMPILE = """
+import importlib, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+module = importlib.import_module("flash_msa.msa.block_scores")
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+Q_BLOCK, KV_BLOCK, PACK = 64, 128, 2  # MSA's blocks, 4 proxy heads per key head
+configs = module._configs(KV_BLOCK, Q_BLOCK * PACK)
+for config in (configs[0], configs[-1]):
+    constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
+                      PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS, **config.kwargs)
+    signature = {
+        arg: "constexpr" if arg in constexprs
+        else "*bf16" if arg in ("q_proxy", "k_proxy")
+        else "*fp32" if arg == "scores"
+        else "fp32" if arg == "scale"
+        else "i32"
+        for arg in module._block_scores_kernel.arg_names
+    }
+    compiled = triton.compile(
+        ASTSource(module._block_scores_kernel, signature, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+    )
+    path = os.path.join(sys.argv[1], "block_scores.ptx")
+    open(path, "w").write(compiled.asm["ptx"])
+    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+                            capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\\d+) bytes spill stores", report).group(1)
+    print("wgmma" in compiled.asm["ptx"], spills)
+"""
+
+
+def test_block_scores_kernel_compiles_for_hopper(tmp_path):
+    """The interpreter never reaches GPU code generation: compile the first and last
+    autotune configs for sm_90 (bf16, D_p = 128) with the ptxas Triton bundles; tensor
+    cores (wgmma) and no register spills."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton build bundles no ptxas")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [sys.executable, "-c", SM90_COMPILE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "0", "True", "0"], result.stdout
