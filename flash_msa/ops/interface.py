@@ -78,10 +78,11 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
         raise ValueError(
             f"layout_batch {layout.layout_batch} must be 1 (shared) or the batch size {batch}"
         )
-    if layout.layout_heads not in (1, heads_kv, heads_q):
+    if heads_q % layout.layout_heads != 0:
         raise ValueError(
-            f"layout_heads {layout.layout_heads} must be 1 (shared), H_kv={heads_kv} (one per GQA "
-            f"group) or H_q={heads_q} (one per query head)"
+            f"layout_heads {layout.layout_heads} must divide H_q={heads_q}: query head h uses "
+            f"layout head h // (H_q / layout_heads) (1 = shared, H_kv={heads_kv} = one per "
+            "GQA group, H_q = one per query head)"
         )
 
 

@@ -60,7 +60,7 @@ CASES = [
         {"layout": patterns.stack([LAYOUT] * 3)},
         {},
         ValueError,
-        r"layout_heads 3 must be 1 \(shared\), H_kv=2 .* or H_q=4",
+        r"layout_heads 3 must divide H_q=4: query head h uses layout head",
     ),
     (
         {

@@ -68,9 +68,9 @@ def test_windows(window_size, causal):
 
 
 @pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize("layout_heads", ["one", "kv", "q"])
+@pytest.mark.parametrize("layout_heads", ["one", "kv", "q", "half"])
 def test_gqa_with_per_head_layouts(heads_q, heads_kv, layout_heads):
-    count = {"one": 1, "kv": heads_kv, "q": heads_q}[layout_heads]
+    count = {"one": 1, "kv": heads_kv, "q": heads_q, "half": heads_q // 2}[layout_heads]
     layout = (
         patterns.stack(
             [patterns.random_blocks(100, 2, seed=h, block_size=16) for h in range(count)]

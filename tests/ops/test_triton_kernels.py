@@ -51,7 +51,7 @@ class Case:
     q_block: int = 32
     kv_block: int = 32
     layout_batch: int = 1
-    layout_heads: str = "1"  # "1", "kv" or "q"
+    layout_heads: str = "1"  # "1", "kv", "q" or a number of layout heads dividing heads_q
     causal: bool = False
     window_size: tuple[int, int] = (-1, -1)
     density: float = 0.7
@@ -64,7 +64,8 @@ class Case:
         self.kv_len = self.seq_len_q if self.seq_len_kv is None else self.seq_len_kv
 
     def layout(self) -> BlockLayout:
-        heads = {"1": 1, "kv": self.heads_kv, "q": self.heads_q}[self.layout_heads]
+        heads = {"kv": self.heads_kv, "q": self.heads_q}.get(self.layout_heads)
+        heads = heads or int(self.layout_heads)
         num_q_blocks = math.ceil(self.seq_len_q / self.q_block)
         num_kv_blocks = math.ceil(self.kv_len / self.kv_block)
         generator = torch.Generator().manual_seed(self.seed + 1)
@@ -103,6 +104,14 @@ class Case:
 
 
 CASES = {
+    "layout-heads-between-kv-and-q": Case(
+        seq_len_q=70, heads_q=8, heads_kv=2, head_dim=16, q_block=16, kv_block=32,
+        layout_heads="4", causal=True, density=0.6,
+    ),
+    "layout-heads-across-kv-groups": Case(
+        seq_len_q=64, heads_q=8, heads_kv=4, head_dim=16, q_block=16, kv_block=16,
+        layout_heads="2", density=0.6,
+    ),
     "dense-mha": Case(batch=2, seq_len_q=128, density=1.0),
     "causal-gqa2-ragged-layout-per-batch-kvhead": Case(
         batch=2, seq_len_q=100, heads_q=4, heads_kv=2, q_block=32, kv_block=16,
@@ -288,11 +297,11 @@ shared = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK, HA
               HAS_DROPOUT=sys.argv[2] == "features", DOT_PRECISION="tf32")
 kernels = [
     ("forward", forward._forward_kernel, configs.forward_configs(D, KV_BLOCK)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), 4, True), {}),
+     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), 4), {}),
     ("dq", backward._dq_kernel, configs.dq_configs(D, KV_BLOCK)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dq"), 4, True), {}),
+     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dq"), 4), {}),
     ("dkdv", backward._dkdv_kernel, configs.dkdv_configs(D)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dkdv"), 4, True),
+     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dkdv"), 4),
      {"BLOCK_N": configs.dkdv_kv_rows(D, KV_BLOCK)}),
 ]
 for name, kernel, config, tile, extra in kernels:

@@ -29,18 +29,16 @@ def _largest_power_of_two_dividing(value: int) -> int:
     return value & -value
 
 
-def row_tile(block: int, max_rows: int, group: int, shared_layout: bool) -> RowTile:
+def row_tile(block: int, max_rows: int, shared_heads: int) -> RowTile:
     """Rows of one program's query tile, within one q block of `block` positions.
 
-    A query block smaller than max_rows leaves room for more query heads of the GQA
-    group (FlashAttention-3's pack_gqa), which then share each K/V tile the program
-    loads; only possible when the group's heads share a layout row (shared_layout).
-    PACK stays a power of two dividing the group so that BLOCK_M is a power of two.
+    A query block smaller than max_rows leaves room for more query heads (FlashAttention-3's
+    pack_gqa), which then share each K/V tile the program loads; shared_heads is how many
+    consecutive query heads share both a kv head and a layout row. PACK stays a power of
+    two dividing it so that BLOCK_M is a power of two.
     """
     rows = min(block, max_rows)
-    pack = 1
-    if shared_layout:
-        pack = min(_largest_power_of_two_dividing(group), max_rows // rows)
+    pack = min(_largest_power_of_two_dividing(shared_heads), max_rows // rows)
     return RowTile(rows, pack)
 
 

@@ -12,6 +12,7 @@ backward kernels.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -291,8 +292,7 @@ def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 def layout_arguments(layout: BlockLayout, heads_q: int, heads_kv: int) -> tuple[int, int]:
     """(layout_batch_stride, layout_head_divisor): layout of (b, h) = b * stride + h // divisor."""
     batch_stride = layout.layout_heads if layout.layout_batch > 1 else 0
-    divisor = {1: heads_q, heads_kv: heads_q // heads_kv, heads_q: 1}[layout.layout_heads]
-    return batch_stride, divisor
+    return batch_stride, heads_q // layout.layout_heads
 
 
 def mask_arguments(causal: bool, window_size: tuple[int, int]) -> dict:
@@ -318,8 +318,9 @@ def head_dim_pad(head_dim: int) -> int:
 
 
 def packing(layout: BlockLayout, block: int, max_rows: int, heads_q: int, heads_kv: int):
-    shared = layout.layout_heads in (1, heads_kv)
-    return configs.row_tile(block, max_rows, heads_q // heads_kv, shared)
+    """Query tile shape: heads packed together must share a kv head and a layout row."""
+    shared_heads = math.gcd(heads_q // heads_kv, heads_q // layout.layout_heads)
+    return configs.row_tile(block, max_rows, shared_heads)
 
 
 AUTOTUNE_KEY = [
