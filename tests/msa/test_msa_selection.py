@@ -8,6 +8,7 @@ import torch
 from flash_msa.msa import block_scores, select_blocks, select_blocks_reference
 
 # (S, q_block, kv_block): equal blocks, q_block < kv_block, q_block > kv_block, ragged tails.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 GEOMETRIES = [(256, 32, 32), (200, 64, 128), (130, 128, 64), (77, 16, 32), (16, 16, 16)]
 
 
@@ -52,8 +53,8 @@ def test_select_blocks_matches_reference_with_ties(geometry, top_k):
 def test_select_blocks_from_kernel_scores(geometry):
     seq_len, q_block, kv_block = geometry
     generator = torch.Generator().manual_seed(seq_len)
-    q_proxy = torch.randn(2, seq_len, 4, 16, generator=generator)
-    k_proxy = torch.randn(2, seq_len, 2, 16, generator=generator)
+    q_proxy = torch.randn(2, seq_len, 4, 16, generator=generator).to(DEVICE)
+    k_proxy = torch.randn(2, seq_len, 2, 16, generator=generator).to(DEVICE)
     scores = block_scores(q_proxy, k_proxy, q_block=q_block, kv_block=kv_block)
     layout = select_blocks(scores, 3, seq_len=seq_len, q_block=q_block, kv_block=kv_block)
     _check_layout(layout, scores, 3, seq_len, q_block, kv_block)
