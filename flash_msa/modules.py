@@ -1,4 +1,4 @@
-"""nn.Module layers built on block_sparse_attn_func."""
+"""nn.Module layers built on block_sparse_attn_func and msa_func."""
 
 from __future__ import annotations
 
@@ -8,13 +8,62 @@ import torch
 from torch import nn
 
 from flash_msa import patterns
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa.msa.interface import msa_func
 from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.rotary import apply_rotary, rotary_tables
 
 PatternBuilder = Callable[..., BlockLayout]  # builder(seq_len, *, block_size, device)
 
 
-class FlashSparseAttention(nn.Module):
+def _check_positive_ints(**values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _split_heads(projected: torch.Tensor, heads: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """[B, S, sum of H * D] -> one [B, S, H, D] view per (H, D) of heads."""
+    batch, seq_len, _ = projected.shape
+    parts = projected.split([count * dim for count, dim in heads], dim=-1)
+    return [
+        part.view(batch, seq_len, count, dim)
+        for part, (count, dim) in zip(parts, heads, strict=True)
+    ]
+
+
+class _ProjectedAttention(nn.Module):
+    """The q, k, v projection (GQA: num_heads a multiple of num_kv_heads) and the output
+    projection around an attention; head_dim = embed_dim / num_heads."""
+
+    def __init__(self, embed_dim, num_heads, num_kv_heads, bias, device, dtype):
+        super().__init__()
+        _check_positive_ints(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim {embed_dim} must be divisible by num_heads {num_heads}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)"
+            )
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        kv_dim = num_kv_heads * self.head_dim
+        factory = dict(device=device, dtype=dtype)
+        self.qkv_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def project_qkv(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [B, S, embed_dim] -> q [B, S, num_heads, D], k and v [B, S, num_kv_heads, D]."""
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"x must be [batch, seq_len, embed_dim] with embed_dim = {self.embed_dim}, "
+                f"got shape {list(x.shape)}"
+            )
+        kv_heads = (self.num_kv_heads, self.head_dim)
+        return _split_heads(self.qkv_proj(x), [(self.num_heads, self.head_dim), kv_heads, kv_heads])
+
+
+class FlashSparseAttention(_ProjectedAttention):
     """Self-attention over a block-sparse pattern: qkv projection, sparse attention,
     output projection. x [B, S, embed_dim] -> [B, S, embed_dim].
 
@@ -38,26 +87,14 @@ class FlashSparseAttention(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim {embed_dim} must be divisible by num_heads {num_heads}")
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)"
-            )
+        super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
         if not (isinstance(pattern, BlockLayout) or callable(pattern)):
             raise TypeError(
                 f"pattern must be a BlockLayout or a builder, got {type(pattern).__name__}"
             )
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = embed_dim // num_heads
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
-        factory = dict(device=device, dtype=dtype)
-        kv_dim = num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
 
     def layout_for(self, seq_len: int, device: torch.device) -> BlockLayout:
@@ -69,18 +106,128 @@ class FlashSparseAttention(nn.Module):
         return self._layouts[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3:
-            raise ValueError(f"x must be [batch, seq_len, embed_dim], got shape {list(x.shape)}")
+        q, k, v = self.project_qkv(x)
         batch, seq_len, _ = x.shape
-        kv_dim = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
         out = block_sparse_attn_func(
-            q.view(batch, seq_len, self.num_heads, self.head_dim),
-            k.view(batch, seq_len, self.num_kv_heads, self.head_dim),
-            v.view(batch, seq_len, self.num_kv_heads, self.head_dim),
+            q,
+            k,
+            v,
             self.layout_for(seq_len, x.device),
             causal=self.causal,
             window_size=self.window_size,
             backend=self.backend,
         )
         return self.out_proj(out.reshape(batch, seq_len, -1))
+
+
+class MSAAttention(_ProjectedAttention):
+    """MiniMax Sparse Attention layer: x [B, S, embed_dim] -> (out [B, S, embed_dim], kl_loss).
+
+    Projections give q [B, S, num_heads, D] (D = embed_dim / num_heads), k, v
+    [B, S, num_kv_heads, D], q_proxy [B, S, num_proxy_heads, proxy_head_dim] and k_proxy
+    [B, S, num_proxy_kv_heads, proxy_head_dim]; rotary embeddings (base rope_base) rotate all
+    four by position. Each proxy head picks top_k key blocks (of kv_block positions) for every
+    query block (of q_block positions) of its num_heads / num_proxy_heads query heads, and the
+    main attention, always causal, runs over those blocks only.
+
+    Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
+    projection learns from kl_loss alone, and kl_loss sends no gradient into q, k or v.
+    forward(x, warmup=True) attends densely (every causal block) while the proxy trains on the
+    full causal context.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int,
+        num_proxy_heads: int,
+        proxy_head_dim: int = 128,
+        num_proxy_kv_heads: int = 1,
+        top_k: int = 16,
+        q_block: int = 64,
+        kv_block: int = 128,
+        rope_base: float = 10000.0,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
+        _check_positive_ints(
+            num_proxy_heads=num_proxy_heads,
+            proxy_head_dim=proxy_head_dim,
+            num_proxy_kv_heads=num_proxy_kv_heads,
+            top_k=top_k,
+        )
+        if num_heads % num_proxy_heads != 0:
+            raise ValueError(
+                f"num_heads {num_heads} must be a multiple of num_proxy_heads {num_proxy_heads}: "
+                "each proxy head selects blocks for a group of query heads"
+            )
+        for name, heads in (
+            ("num_kv_heads", num_kv_heads),
+            ("num_proxy_kv_heads", num_proxy_kv_heads),
+        ):
+            if num_proxy_heads % heads != 0:
+                raise ValueError(
+                    f"num_proxy_heads {num_proxy_heads} must be a multiple of {name} {heads}"
+                )
+        for name, dim in (("head_dim", self.head_dim), ("proxy_head_dim", proxy_head_dim)):
+            if dim % 2 != 0:
+                raise ValueError(f"{name} {dim} must be even: rotary embeddings rotate pairs")
+        for name, size in (("q_block", q_block), ("kv_block", kv_block)):
+            if size not in BLOCK_SIZES:
+                raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {size!r}")
+        if q_block > kv_block:
+            raise ValueError(
+                f"q_block {q_block} must be <= kv_block {kv_block}: each query block must lie "
+                "inside one kv block, its diagonal"
+            )
+        if not rope_base > 1:
+            raise ValueError(f"rope_base must be > 1, got {rope_base!r}")
+        self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads
+        self.proxy_head_dim, self.rope_base = proxy_head_dim, rope_base
+        self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block
+        proxy_dim = (num_proxy_heads + num_proxy_kv_heads) * proxy_head_dim
+        self.proxy_proj = nn.Linear(embed_dim, proxy_dim, bias=bias, device=device, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, *, warmup: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self.project_qkv(x)
+        batch, seq_len, _ = x.shape
+        proxy_heads = [(self.num_proxy_heads, self.proxy_head_dim),
+                       (self.num_proxy_kv_heads, self.proxy_head_dim)]  # fmt: skip
+        q_proxy, k_proxy = _split_heads(self.proxy_proj(x), proxy_heads)
+        tables = {
+            dim: rotary_tables(seq_len, dim, base=self.rope_base, device=x.device)
+            for dim in {self.head_dim, self.proxy_head_dim}
+        }  # D -> (cos, sin), each [S, D / 2]
+        q, k, q_proxy, k_proxy = (
+            apply_rotary(tensor, *tables[tensor.shape[-1]]) for tensor in (q, k, q_proxy, k_proxy)
+        )
+        out, kl_loss = self.attend(q_proxy, k_proxy, q, k, v, warmup)
+        return self.out_proj(out.reshape(batch, seq_len, -1)), kl_loss
+
+    def attend(
+        self,
+        q_proxy: torch.Tensor,
+        k_proxy: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        warmup: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MSA of the rotated heads -> out [B, S, num_heads, D] and the scalar kl_loss."""
+        return msa_func(
+            q_proxy,
+            k_proxy,
+            q,
+            k,
+            v,
+            top_k=self.top_k,
+            q_block=self.q_block,
+            kv_block=self.kv_block,
+            warmup=warmup,
+        )

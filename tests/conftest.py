@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Triton kernels run on the CPU through the interpreter; it must be chosen before they compile.
@@ -12,11 +13,21 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Fill every floating buffer the kernels allocate with NaN: unwritten elements fail."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor):
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))

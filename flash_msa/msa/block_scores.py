@@ -19,6 +19,7 @@ import triton.language as tl
 
 from flash_msa.layout import BLOCK_SIZES
 from flash_msa.ops.triton.configs import interpreting
+from flash_msa.sequences import check_document_ids
 
 MAX_TILE_ROWS = 128  # query rows (positions x packed heads) of one program
 TAIL_COLUMNS = 64  # -inf columns written per store past the diagonal
@@ -32,15 +33,20 @@ def _kv_block_max(
     positions,
     kv_first,
     kv_end,
+    documents,
+    row_documents,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Max over keys [kv_first, kv_end) of each row's logit: [BLOCK_M] fp32. Without
     CAUSAL_MASK every key is visible to every row (whole blocks before the first query);
-    with it keys after a row's position, or at kv_end and past, count as -inf."""
+    with it keys after a row's position, or at kv_end and past, count as -inf, and with
+    HAS_DOCUMENTS also keys of another document (documents: int32 [S] of this batch row,
+    row_documents [BLOCK_M] those of the rows)."""
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
     row_max = tl.full(positions.shape, float("-inf"), tl.float32)  # [BLOCK_M]
     for start in range(kv_first, kv_end, BLOCK_N):
@@ -53,6 +59,9 @@ def _kv_block_max(
             )  # [BLOCK_N, D_PAD]
             logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)  # [M, N]
             visible = (keys[None, :] <= positions[:, None]) & key_valid[None, :]  # [M, N]
+            if HAS_DOCUMENTS:
+                key_documents = tl.load(documents + keys, mask=key_valid, other=-1)  # [N]
+                visible &= key_documents[None, :] == row_documents[:, None]
             logits = tl.where(visible, logits, float("-inf"))
         else:
             k_tile = tl.load(k_pointers, mask=dims[None, :] < HEAD_DIM, other=0.0)  # [N, D_PAD]
@@ -86,6 +95,8 @@ def _block_scores_kernel(
     stride_o_b,
     stride_o_h,
     stride_o_q,
+    documents,
+    stride_doc_b,
     seq_len,
     num_kv_blocks,
     proxy_group,
@@ -97,6 +108,7 @@ def _block_scores_kernel(
     PACK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TAIL: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
@@ -124,19 +136,23 @@ def _block_scores_kernel(
     )
     last = tl.minimum(first + Q_BLOCK, seq_len) - 1
     diagonal = last // KV_BLOCK
-    # kv blocks wholly at or before the first query need no causal mask.
-    unmasked_end = (first + 1) // KV_BLOCK
+    documents += batch * stride_doc_b
+    row_documents = positions  # unused without documents
+    if HAS_DOCUMENTS:
+        row_documents = tl.load(documents + positions, mask=row_valid, other=-2)  # [BLOCK_M]
+    # kv blocks wholly at or before the first query need no causal mask (but documents do).
+    unmasked_end = 0 if HAS_DOCUMENTS else (first + 1) // KV_BLOCK
     for c in range(0, unmasked_end):
         row_max = _kv_block_max(
-            q_tile, k_base, stride_k_s, positions, c * KV_BLOCK, (c + 1) * KV_BLOCK,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, DOT_PRECISION,
+            q_tile, k_base, stride_k_s, positions, c * KV_BLOCK, (c + 1) * KV_BLOCK, documents,
+            row_documents, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, False, DOT_PRECISION,
         )  # fmt: skip
         _store_block_max(out_row, c, row_max, row_valid, scale, Q_BLOCK, PACK)
     for c in range(unmasked_end, diagonal + 1):  # one block unless q_block > kv_block
         row_max = _kv_block_max(
             q_tile, k_base, stride_k_s, positions, c * KV_BLOCK,
-            tl.minimum((c + 1) * KV_BLOCK, last + 1),
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, DOT_PRECISION,
+            tl.minimum((c + 1) * KV_BLOCK, last + 1), documents, row_documents,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, HAS_DOCUMENTS, DOT_PRECISION,
         )  # fmt: skip
         _store_block_max(out_row, c, row_max, row_valid, scale, Q_BLOCK, PACK)
     for start in range(diagonal + 1, num_kv_blocks, TAIL):
@@ -225,11 +241,14 @@ def block_scores(
     q_block: int,
     kv_block: int,
     proxy_softmax_scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] -> fp32 [B, H_p, nq, nk] block scores
     (see the module docstring); every element is written, so `out` may be reused across steps.
-    Proxy head p reads key head p // (H_p / H_pk). proxy_softmax_scale defaults to 1/sqrt(D_p)."""
+    Proxy head p reads key head p // (H_p / H_pk). proxy_softmax_scale defaults to 1/sqrt(D_p).
+    With document_ids (int32 [B, S], non-decreasing along S) only pairs within one document
+    count: a block sharing no document with the query block scores -inf."""
     _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out)
     batch, seq_len, heads, dim = q_proxy.shape
     scale = 1.0 / math.sqrt(dim) if proxy_softmax_scale is None else proxy_softmax_scale
@@ -240,15 +259,20 @@ def block_scores(
         out = torch.empty(
             batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q_proxy.device
         )
+    if document_ids is not None:
+        check_document_ids(document_ids, batch, seq_len, q_proxy.device)
+        document_ids = document_ids.int()
     group = heads // k_proxy.shape[2]
     pack = _pack(q_block, group)
     grid = (num_q_blocks, heads // pack, batch)
     _tuned_kernel(kv_block, q_block * pack)[grid](
         q_proxy, k_proxy, out,
         *q_proxy.stride()[:3], *k_proxy.stride()[:3], *out.stride()[:3],
-        seq_len, num_kv_blocks, group, scale,
+        out if document_ids is None else document_ids,
+        0 if document_ids is None else document_ids.stride(0), seq_len, num_kv_blocks, group, scale,
         HEAD_DIM=dim, HEAD_DIM_PAD=max(triton.next_power_of_2(dim), 16), Q_BLOCK=q_block,
         KV_BLOCK=kv_block, PACK=pack,
         DOT_PRECISION="ieee" if q_proxy.dtype == torch.float32 else "tf32", TAIL=TAIL_COLUMNS,
+        HAS_DOCUMENTS=document_ids is not None,
     )  # fmt: skip
     return out

@@ -1,4 +1,4 @@
-"""Eager MiniMax Sparse Attention (issue 4): the ground truth at small sizes.
+"""Eager MiniMax Sparse Attention: the ground truth at small sizes.
 
 Everything is dense in S x S; pass float64 tensors for ground truth. Block geometry: query
 block b holds positions [b * q_block, min((b + 1) * q_block, S)); its diagonal kv block is
@@ -27,9 +27,13 @@ def _proxy_logits(
     return torch.einsum("bihd,bjhd->bhij", q_proxy, k_proxy) * scale
 
 
-def _causal(seq_len: int, device: torch.device) -> torch.Tensor:
+def _causal(seq_len: int, device: torch.device, document_ids=None) -> torch.Tensor:
+    """bool [S, S], or [B, 1, S, S] with document_ids [B, S]: causal pairs of one document."""
     positions = torch.arange(seq_len, device=device)
-    return visible(positions[:, None], positions[None, :], True, (-1, -1))  # [S, S]
+    mask = visible(positions[:, None], positions[None, :], True, (-1, -1))
+    if document_ids is None:
+        return mask
+    return mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
 
 
 def _blocks_to_elements(blocks: torch.Tensor, seq_len: int, q_block: int, kv_block: int):
@@ -44,13 +48,15 @@ def block_scores_reference(
     q_block: int,
     kv_block: int,
     proxy_softmax_scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """score(b, c) = max over i in block b, j in block c, j <= i of the scaled proxy logit;
-    -inf where no such pair. q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] ->
-    [B, H_p, nq, nk] in the inputs' dtype."""
+    """score(b, c) = max over i in block b, j in block c, j <= i (and, with document_ids
+    [B, S], of i's document) of the scaled proxy logit; -inf where no such pair.
+    q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] -> [B, H_p, nq, nk] in their dtype."""
     batch, seq_len, heads = q_proxy.shape[:3]
     logits = _proxy_logits(q_proxy, k_proxy, proxy_softmax_scale)
-    logits = logits.masked_fill(~_causal(seq_len, logits.device), float("-inf"))
+    causal = _causal(seq_len, logits.device, document_ids)
+    logits = logits.masked_fill(~causal, float("-inf"))
     num_q_blocks, num_kv_blocks = math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block)
     padded = logits.new_full(
         (batch, heads, num_q_blocks * q_block, num_kv_blocks * kv_block), float("-inf")
@@ -87,15 +93,18 @@ def msa_reference(
     softmax_scale: float | None = None,
     proxy_softmax_scale: float | None = None,
     warmup: bool = False,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eager MSA, always causal. q [B, S, H_q, D], k/v [B, S, H_kv, D], q_proxy [B, S, H_p, D_p],
     k_proxy [B, S, H_pk, D_p]. Returns out [B, S, H_q, D], kl_loss (scalar) and the selected
     blocks bool [B, H_p, nq, nk] (with warmup: every block with a causal pair).
 
     The main attention sees the selected blocks (causal inside them); query head h belongs to
-    proxy head h // (H_q / H_p). kl_loss = mean over (batch, i, p) of KL(teacher || student)
-    over the keys i sees: teacher = the main probabilities averaged over p's query heads
-    (detached), student = softmax of the proxy logits over the same keys. Gradients of kl_loss
+    proxy head h // (H_q / H_p). With document_ids [B, S] (non-decreasing) nothing crosses a
+    document: blocks with no pair of one document are never selected. kl_loss = mean over
+    (batch, i, p) of KL(teacher || student) over the keys i sees: teacher = the main
+    probabilities averaged over p's query heads (detached), student = softmax of the proxy
+    logits over the same keys. Gradients of kl_loss
     reach q_proxy and k_proxy only; selection is discrete and carries none.
     """
     heads_kv, heads_proxy_keys = k.shape[2], k_proxy.shape[2]
@@ -112,10 +121,14 @@ def msa_reference(
         )
     batch, seq_len, heads_q = q.shape[:3]
     with torch.no_grad():
-        scores = block_scores_reference(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale)
-        selected = scores > float("-inf") if warmup else select_blocks_reference(scores, top_k)
+        scores = block_scores_reference(
+            q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, document_ids
+        )
+        selected = scores > float("-inf")
+        if not warmup:
+            selected &= select_blocks_reference(scores, top_k)
     mask = _blocks_to_elements(selected, seq_len, q_block, kv_block)
-    mask = mask & _causal(seq_len, q.device)  # [B, H_p, S, S]
+    mask = mask & _causal(seq_len, q.device, document_ids)  # [B, H_p, S, S]
     group = heads_q // heads_proxy
     out, _ = attention_reference(q, k, v, mask.repeat_interleave(group, dim=1), softmax_scale)
 

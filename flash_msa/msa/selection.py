@@ -117,3 +117,21 @@ def select_blocks(
         layout_heads=heads,
         validate=False,
     )
+
+
+def causal_blocks(seq_len: int, *, q_block: int, kv_block: int, device=None) -> BlockLayout:
+    """Every block with a causal pair: row b holds kv blocks 0 .. d(b) (MSA's warm-up)."""
+    num_q_blocks = math.ceil(seq_len / q_block)
+    counts = _diagonals(num_q_blocks, seq_len, q_block, kv_block, device) + 1  # [nq]
+    row_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[None]  # [1, nq + 1]
+    nnz = _blocks_per_layout(seq_len, q_block, kv_block, math.ceil(seq_len / kv_block))
+    starts = torch.repeat_interleave(row_offsets[0, :-1], counts, output_size=nnz)  # [nnz]
+    col_indices = torch.arange(nnz, device=device) - starts
+    return BlockLayout(
+        row_offsets.int(),
+        col_indices.int(),
+        seq_len_q=seq_len,
+        q_block=q_block,
+        kv_block=kv_block,
+        validate=False,
+    )

@@ -152,18 +152,6 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.fixture
-def poisoned_allocations(monkeypatch):
-    """Fill every floating buffer the kernels allocate with NaN: unwritten elements fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(tensor):
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
-
-
 def reference(case: Case, q, k, v, grad_out=None):
     """float64 out, lse and (with grad_out) dq, dk, dv on the layout's dense mask."""
     layout = case.layout()

@@ -1,0 +1,171 @@
+"""msa_func: MiniMax Sparse Attention's training step, selection -> main attention -> KL."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa.msa.block_scores import block_scores
+from flash_msa.msa.kl import proxy_kl_loss
+from flash_msa.msa.selection import causal_blocks, select_blocks
+from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.ops.triton.configs import interpreting
+from flash_msa.sequences import check_cu_seqlens, document_ids_of
+
+
+def _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens) -> None:
+    rank = 3 if cu_seqlens is not None else 4
+    shape = "[T, H, D]" if rank == 3 else "[B, S, H, D]"
+    named = (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("q", q), ("k", k), ("v", v))
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != rank:
+            raise ValueError(
+                f"{name} must be {rank}-D {shape}"
+                f"{' (packed by cu_seqlens)' if rank == 3 else ''}, got {list(tensor.shape)}"
+            )
+        if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(
+                f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}; "
+                "msa_reference computes in float64"
+            )
+    for name, tensor in named:
+        if (tensor.dtype, tensor.device) != (q.dtype, q.device):
+            raise ValueError(
+                f"{name} is {tensor.dtype} on {tensor.device} but q is {q.dtype} on {q.device}; "
+                "pass every tensor in one dtype on one device"
+            )
+        if tensor.shape[:-2] != q.shape[:-2]:
+            raise ValueError(
+                f"{name} {list(tensor.shape)} and q {list(q.shape)} must agree in "
+                f"{'T' if rank == 3 else 'B and S'}"
+            )
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k {list(k.shape)} and v {list(v.shape)} must match, with q's head dim {q.shape[-1]}"
+        )
+    if k_proxy.shape[-1] != q_proxy.shape[-1]:
+        raise ValueError(
+            f"q_proxy and k_proxy head dims differ ({q_proxy.shape[-1]} vs {k_proxy.shape[-1]})"
+        )
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    heads_proxy, heads_proxy_keys = q_proxy.shape[-2], k_proxy.shape[-2]
+    if heads_q % heads_proxy or heads_proxy % heads_kv or heads_proxy % heads_proxy_keys:
+        raise ValueError(
+            f"need H_q ({heads_q}) a multiple of H_p ({heads_proxy}), and H_p a multiple of "
+            f"H_kv ({heads_kv}) and of H_pk ({heads_proxy_keys}): each proxy head selects for "
+            "H_q / H_p query heads that share one kv head"
+        )
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    for name, value in (("q_block", q_block), ("kv_block", kv_block)):
+        if value not in BLOCK_SIZES:
+            raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value!r}")
+    if q_block > kv_block:
+        raise ValueError(
+            f"q_block ({q_block}) must be <= kv_block ({kv_block}) so that a query block lies in "
+            "its diagonal kv block"
+        )
+
+
+def _within_documents(layout: BlockLayout, documents: torch.Tensor) -> BlockLayout:
+    """layout without the blocks holding no causal pair of one document. documents int32 [S]
+    (non-decreasing). Query block b lies inside one kv block (q_block divides kv_block), so an
+    earlier block c shares a document with b iff its last key's document is that of b's first
+    query; the diagonal block always does (every query sees itself). Reads nnz: one sync."""
+    seq_len = layout.seq_len_q
+    rows = layout.entry_rows() % layout.num_q_blocks  # [nnz]
+    cols = layout.col_indices.long()
+    last_key = ((cols + 1) * layout.kv_block).clamp(max=seq_len) - 1
+    first_query = rows * layout.q_block
+    diagonal = ((rows + 1) * layout.q_block).clamp(max=seq_len).sub(1) // layout.kv_block
+    keep = (documents[last_key] == documents[first_query]) | (cols == diagonal)
+    return BlockLayout.from_keys(
+        layout.keys()[keep],
+        seq_len_q=seq_len,
+        seq_len_kv=seq_len,
+        q_block=layout.q_block,
+        kv_block=layout.kv_block,
+        layout_batch=layout.layout_batch,
+        layout_heads=layout.layout_heads,
+    )
+
+
+def msa_func(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    top_k: int = 16,
+    q_block: int = 64,
+    kv_block: int = 128,
+    softmax_scale: float | None = None,
+    proxy_softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    warmup: bool = False,
+    return_layout: bool = False,
+):
+    """MiniMax Sparse Attention, causal: the proxy picks key blocks, the main attention runs
+    over them, and kl_loss trains the proxy. Returns (out, kl_loss[, layout]).
+
+    q [B, S, H_q, D], k, v [B, S, H_kv, D]; q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p];
+    H_q a multiple of H_p, H_p of H_kv and of H_pk. With cu_seqlens (int32 [N + 1]) every
+    tensor is packed [T, H, D] and nothing crosses a document.
+    - Selection (no gradient): score(b, c) = max causal proxy logit over query block b and
+      kv block c; each (query block, proxy head) keeps its diagonal block plus the top_k - 1
+      best earlier ones, ties to the lower index. warmup=True keeps every causal block.
+    - out: block-sparse attention over that layout (layout_heads = H_p: a proxy head's query
+      heads share their K/V loads); gradients as for block_sparse_attn_func.
+    - kl_loss: fp32 scalar, mean over (token, proxy head) of KL(teacher || student) over the
+      keys the main attention used; teacher = the main probabilities averaged over the proxy
+      head's query heads (detached), student = softmax of proxy_softmax_scale * q_proxy .
+      k_proxy. Its gradient reaches q_proxy and k_proxy only: add it to the loss with a weight.
+    - layout (return_layout=True): the BlockLayout used, layout_batch B, layout_heads H_p
+      (1 under warmup).
+    """
+    _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens)
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"msa_func runs Triton kernels: pass CUDA tensors (got {q.device}), or set "
+            "TRITON_INTERPRET=1 before importing flash_msa to run them on the CPU"
+        )
+    document_ids = None
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], device=q.device)
+        document_ids = document_ids_of(cu_seqlens)[None]  # [1, T]
+        q_proxy, k_proxy, q, k, v = (t.unsqueeze(0) for t in (q_proxy, k_proxy, q, k, v))
+    seq_len = q.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    proxy_scale = (
+        1.0 / math.sqrt(q_proxy.shape[-1]) if proxy_softmax_scale is None else proxy_softmax_scale
+    )
+    with torch.no_grad():
+        if warmup:
+            layout = causal_blocks(seq_len, q_block=q_block, kv_block=kv_block, device=q.device)
+        else:
+            scores = block_scores(
+                q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
+                proxy_softmax_scale=proxy_scale, document_ids=document_ids,
+            )  # fmt: skip
+            layout = select_blocks(
+                scores, top_k, seq_len=seq_len, q_block=q_block, kv_block=kv_block
+            )
+            del scores
+        if document_ids is not None:
+            layout = _within_documents(layout, document_ids[0])
+    out, lse = block_sparse_attn_func(
+        q, k, v, layout, causal=True, softmax_scale=scale, return_lse=True,
+        document_ids=document_ids,
+    )  # fmt: skip
+    kl_loss = proxy_kl_loss(
+        q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
+        proxy_softmax_scale=proxy_scale, document_ids=document_ids,
+    )  # fmt: skip
+    if cu_seqlens is not None:
+        out = out[0]
+    return (out, kl_loss, layout) if return_layout else (out, kl_loss)

@@ -1,0 +1,303 @@
+"""MSA's KL loss between the main attention (teacher) and the proxy attention (student).
+
+For query token i and proxy head p, over the keys j the main attention used for i (the
+selected blocks, causal, within i's document):
+  t(i, j) = mean over the query heads h of p's group of exp(scale * q_h[i] . k[j] - lse_h[i])
+  s(i, j) = softmax over the same keys of proxy_scale * q_proxy_p[i] . k_proxy[j]
+  kl(i, p) = sum_j t log(t / s) = sum_j t (log t - z) + lse_proxy(i) * sum_j t
+where z is the scaled proxy logit and lse_proxy its log-sum-exp over the keys. kl_loss is the
+mean of kl over (token, proxy head). Its gradient reaches the proxy only:
+d kl_loss / d z(i, j) = (s - t) / N. Three kernels over the block layout, each recomputing the
+teacher from q, k and the main attention's lse (never stored): the forward (rows), dq_proxy
+(rows) and dk_proxy (the transposed layout: per kv block, the query blocks that use it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_msa.layout import BlockLayout
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
+    """bool [M, N]: key col is causal for query row, both inside the sequence and, with
+    documents (int32 [S] of this batch row), in the same document."""
+    visible = (cols[None, :] <= rows[:, None]) & (rows[:, None] < seq_len)
+    if HAS_DOCUMENTS:
+        doc_rows = tl.load(documents + rows, mask=rows < seq_len, other=-1)
+        doc_cols = tl.load(documents + cols, mask=cols < seq_len, other=-2)
+        visible &= doc_rows[:, None] == doc_cols[None, :]
+    return visible
+
+
+@triton.jit
+def _load_rows(
+    base, positions, stride_s, seq_len, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr
+):
+    """[len(positions), HEAD_DIM_PAD] tile of one head; zeros outside the sequence."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    pointers = base + positions.to(tl.int64)[:, None] * stride_s + dims[None, :]
+    return tl.load(
+        pointers, mask=(positions[:, None] < seq_len) & (dims[None, :] < HEAD_DIM), other=0.0
+    )
+
+
+@triton.jit
+def _teacher(
+    q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
+    group, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """t [M, N] fp32: the main attention probabilities averaged over the group's query heads
+    (q_group, lse_group point at the group's first head), 0 where not visible."""
+    teacher = tl.zeros(visible.shape, tl.float32)
+    for head in range(group):
+        q_tile = _load_rows(
+            q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
+        )
+        lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
+        logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+        teacher += tl.exp2(logits - lse[:, None] * 1.4426950408889634)
+    return tl.where(visible, teacher / group, 0.0)
+
+
+@triton.jit
+def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
+    """z [M, N] fp32, the scaled proxy logits; -inf where not visible."""
+    logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION) * proxy_scale
+    return tl.where(visible, logits, float("-inf"))
+
+
+@triton.jit
+def _kl_rows_kernel(
+    q_proxy, k_proxy, q, k, lse, documents, row_offsets, col_indices, lse_proxy, grad_scale,
+    out, kl_rows,
+    stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
+    stride_lse_b, stride_lse_h, stride_doc_b,
+    seq_len, heads_proxy, proxy_group, kv_group, group, layout_batch_stride, heads_per_layout,
+    num_q_blocks, proxy_scale, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
+    PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (query block, batch x proxy head), walking its CSR row. Without GRAD:
+    writes kl_rows and lse_proxy [B, H_p, S]. With GRAD: reads lse_proxy and writes
+    out = d kl_loss / d q_proxy [B, S, H_p, D_p], grad_scale holding d loss / d kl_loss / N."""
+    block = tl.program_id(0)
+    batch = tl.program_id(1) // heads_proxy
+    head = tl.program_id(1) % heads_proxy
+    rows = block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
+    documents += batch * stride_doc_b
+    qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
+    qp_tile = _load_rows(qp_base, rows, stride_qp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+    kp_base = k_proxy + batch * stride_kp_b + (head // proxy_group) * stride_kp_h
+    k_base = k + batch * stride_k_b + (head // kv_group) * stride_k_h
+    q_group = q + batch * stride_q_b + head * group * stride_q_h
+    lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
+    row_stats = batch * heads_proxy * seq_len + head * seq_len + rows  # into [B, H_p, S]
+    layout_row = batch * layout_batch_stride + head // heads_per_layout
+    row = row_offsets + layout_row * (num_q_blocks + 1) + block
+    start, end = tl.load(row), tl.load(row + 1)
+    if GRAD:
+        lse_p = tl.load(lse_proxy + row_stats, mask=rows < seq_len, other=0.0)
+        grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)
+        coefficient = tl.load(grad_scale)
+    else:
+        running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((Q_BLOCK,), tl.float32)
+        cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
+        teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
+    for entry in range(start, end):
+        cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
+        visible = _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS)
+        kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+        k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
+        logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
+        teacher = _teacher(
+            q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
+            seq_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+        )  # fmt: skip
+        if GRAD:
+            student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
+            grad_logits = (student - teacher) * coefficient
+            grad_q = tl.dot(grad_logits.to(kp_tile.dtype), kp_tile, grad_q,
+                            input_precision=DOT_PRECISION)  # fmt: skip
+        else:
+            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
+                tl.exp(logits - safe_max[:, None]), axis=1
+            )
+            running_max = new_max
+            terms = tl.where(teacher > 0, teacher * (tl.log(teacher) - logits), 0.0)
+            cross += tl.sum(terms, axis=1)
+            teacher_sum += tl.sum(teacher, axis=1)
+    if GRAD:
+        dims = tl.arange(0, PROXY_DIM_PAD)
+        pointers = (out + batch * stride_qp_b + head * stride_qp_h
+                    + rows.to(tl.int64)[:, None] * stride_qp_s + dims[None, :])  # fmt: skip
+        tl.store(pointers, (grad_q * proxy_scale).to(out.dtype.element_ty),
+                 mask=(rows[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
+    else:
+        lse_p = running_max + tl.log(running_sum)  # -inf for rows that see nothing
+        kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
+        tl.store(lse_proxy + row_stats, lse_p, mask=rows < seq_len)
+        tl.store(kl_rows + row_stats, kl, mask=rows < seq_len)
+
+
+@triton.jit
+def _kl_dk_proxy_kernel(
+    q_proxy, k_proxy, q, k, lse, documents, t_row_offsets, t_col_indices, lse_proxy, grad_scale,
+    grad_k_proxy,
+    stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
+    stride_lse_b, stride_lse_h, stride_doc_b,
+    seq_len, heads_proxy, heads_proxy_keys, proxy_group, kv_group, group, layout_batch_stride,
+    heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
+    PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (kv block, batch x proxy key head): for each proxy head reading that
+    key head, walks the query blocks that selected the kv block; writes d kl_loss / d k_proxy
+    [B, S, H_pk, D_p]. No atomics: every program owns its output tile."""
+    block = tl.program_id(0)
+    batch = tl.program_id(1) // heads_proxy_keys
+    key_head = tl.program_id(1) % heads_proxy_keys
+    cols = block * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
+    documents += batch * stride_doc_b
+    kp_base = k_proxy + batch * stride_kp_b + key_head * stride_kp_h
+    kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+    coefficient = tl.load(grad_scale)
+    grad_k = tl.zeros((KV_BLOCK, PROXY_DIM_PAD), tl.float32)
+    for head in range(key_head * proxy_group, (key_head + 1) * proxy_group):
+        qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
+        k_tile = _load_rows(k + batch * stride_k_b + (head // kv_group) * stride_k_h, cols,
+                            stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)  # fmt: skip
+        q_group = q + batch * stride_q_b + head * group * stride_q_h
+        lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
+        layout_row = batch * layout_batch_stride + head // heads_per_layout
+        column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
+        for entry in range(tl.load(column), tl.load(column + 1)):
+            rows = tl.load(t_col_indices + entry) * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
+            visible = _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS)
+            qp_tile = _load_rows(qp_base, rows, stride_qp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
+            teacher = _teacher(
+                q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
+                seq_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+            )  # fmt: skip
+            row_stats = batch * heads_proxy * seq_len + head * seq_len + rows
+            lse_p = tl.load(lse_proxy + row_stats, mask=rows < seq_len, other=0.0)
+            grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
+            grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
+                            input_precision=DOT_PRECISION)  # fmt: skip
+    dims = tl.arange(0, PROXY_DIM_PAD)
+    pointers = (grad_k_proxy + batch * stride_kp_b + key_head * stride_kp_h
+                + cols.to(tl.int64)[:, None] * stride_kp_s + dims[None, :])  # fmt: skip
+    tl.store(pointers, (grad_k * proxy_scale).to(grad_k_proxy.dtype.element_ty),
+             mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
+
+
+def _launch_options(q_proxy, k_proxy, q, k, lse, documents, layout: BlockLayout, scales):
+    """The arguments the three kernels share, in their order, and their constexprs."""
+    batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
+    heads_q, heads_kv, dim = q.shape[2], k.shape[2], q.shape[3]
+    has_documents = documents is not None
+    documents = documents if has_documents else lse.new_zeros(1, dtype=torch.int32)
+    proxy_scale, softmax_scale = scales
+    tensors = (q_proxy, k_proxy, q, k, lse, documents)
+    strides = (
+        *q_proxy.stride()[:3], *k_proxy.stride()[:3], *q.stride()[:3], *k.stride()[:3],
+        *lse.stride()[:2], documents.stride(0) if has_documents else 0,
+    )  # fmt: skip
+    layout_batch_stride = layout.layout_heads if layout.layout_batch > 1 else 0
+    geometry = dict(
+        proxy_group=heads_proxy // k_proxy.shape[2],
+        kv_group=heads_proxy // heads_kv,
+        group=heads_q // heads_proxy,
+        layout_batch_stride=layout_batch_stride,
+        heads_per_layout=heads_proxy // layout.layout_heads,
+    )
+    constexprs = dict(
+        HEAD_DIM=dim, HEAD_DIM_PAD=max(triton.next_power_of_2(dim), 16), PROXY_DIM=proxy_dim,
+        PROXY_DIM_PAD=max(triton.next_power_of_2(proxy_dim), 16), Q_BLOCK=layout.q_block,
+        KV_BLOCK=layout.kv_block, HAS_DOCUMENTS=has_documents,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if layout.q_block * layout.kv_block <= 64 * 64 else 8, num_stages=1,
+    )  # fmt: skip
+    scalars = (proxy_scale, softmax_scale * LOG2E)
+    return batch, seq_len, heads_proxy, tensors, strides, geometry, scalars, constexprs
+
+
+class _ProxyKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_proxy, k_proxy, q, k, lse, documents, layout, scales, count):
+        options = _launch_options(q_proxy, k_proxy, q, k, lse, documents, layout, scales)
+        batch, seq_len, heads_proxy, tensors, strides, geometry, scalars, constexprs = options
+        lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
+        kl_rows = torch.empty_like(lse_proxy)
+        _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
+            *tensors, layout.row_offsets, layout.col_indices, lse_proxy, lse_proxy, q_proxy,
+            kl_rows, *strides, seq_len, heads_proxy, *geometry.values(), layout.num_q_blocks,
+            *scalars, GRAD=False, **constexprs,
+        )  # fmt: skip
+        ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, lse_proxy)
+        ctx.layout, ctx.scales, ctx.count = layout, scales, count
+        return kl_rows.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        q_proxy, k_proxy, q, k, lse, documents, lse_proxy = ctx.saved_tensors
+        layout = ctx.layout
+        options = _launch_options(q_proxy, k_proxy, q, k, lse, documents, layout, ctx.scales)
+        batch, seq_len, heads_proxy, tensors, strides, geometry, scalars, constexprs = options
+        grad_scale = (grad_kl / ctx.count).float().reshape(1)  # on the device: no sync
+        grad_q_proxy = torch.empty_like(q_proxy)
+        _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
+            *tensors, layout.row_offsets, layout.col_indices, lse_proxy, grad_scale,
+            grad_q_proxy, lse_proxy, *strides, seq_len, heads_proxy, *geometry.values(),
+            layout.num_q_blocks, *scalars, GRAD=True, **constexprs,
+        )  # fmt: skip
+        transposed = layout.transpose()
+        grad_k_proxy = torch.empty_like(k_proxy)
+        heads_proxy_keys = k_proxy.shape[2]
+        _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
+            *tensors, transposed.row_offsets, transposed.col_indices, lse_proxy, grad_scale,
+            grad_k_proxy, *strides, seq_len, heads_proxy, heads_proxy_keys, *geometry.values(),
+            layout.num_kv_blocks, *scalars, **constexprs,
+        )  # fmt: skip
+        return grad_q_proxy, grad_k_proxy, None, None, None, None, None, None, None
+
+
+def proxy_kl_loss(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    softmax_scale: float,
+    proxy_softmax_scale: float,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """kl_loss (fp32 scalar) of the module docstring; gradients reach q_proxy and k_proxy only.
+
+    q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p], q [B, S, H_q, D], k [B, S, H_kv, D]
+    and lse fp32 [B, H_q, S] of the main attention over `layout` (causal; layout_heads
+    dividing H_p, layout_batch 1 or B), document_ids int32 [B, S] or None. Inputs are
+    assumed valid (msa_func checks them)."""
+    q_proxy, k_proxy = q_proxy.contiguous(), k_proxy.contiguous()
+    q, k, lse = q.detach(), k.detach(), lse.detach()
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    count = q_proxy.shape[0] * q_proxy.shape[1] * q_proxy.shape[2]
+    scales = (proxy_softmax_scale, softmax_scale)
+    return _ProxyKL.apply(q_proxy, k_proxy, q, k, lse, document_ids, layout, scales, count)

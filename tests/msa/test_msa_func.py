@@ -1,0 +1,159 @@
+"""msa_func (block scores, selection, main attention, KL kernels) against the float64 eager MSA."""
+
+import math
+
+import pytest
+import torch
+
+from flash_msa.msa import msa_func, msa_reference
+from flash_msa.testing import relative_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+
+
+def _inputs(batch, seq_len, heads, dim, proxy_dim, *, dtype=torch.float32, seed=0):
+    """q_proxy, k_proxy, q, k, v for heads = (H_q, H_kv, H_p, H_pk), requiring grad."""
+    heads_q, heads_kv, heads_proxy, heads_proxy_keys = heads
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [
+        (heads_proxy, proxy_dim), (heads_proxy_keys, proxy_dim), (heads_q, dim), (heads_kv, dim),
+        (heads_kv, dim),
+    ]  # fmt: skip
+    return [
+        torch.randn(batch, seq_len, h, d, generator=generator).to(DEVICE, dtype).requires_grad_()
+        for h, d in shapes
+    ]
+
+
+def _gradients(out, kl_loss, tensors, grad_out):
+    """(grads of sum(out * grad_out) for q, k, v; grads of kl_loss for q_proxy, k_proxy)."""
+    main = torch.autograd.grad(out, tensors[2:], grad_out, retain_graph=True)
+    proxy = torch.autograd.grad(kl_loss, tensors[:2])
+    return main, proxy
+
+
+def _check_against_reference(tensors, grad_out, top_k, q_block, kv_block, warmup, documents=None):
+    out, kl_loss, layout = msa_func(
+        *tensors, top_k=top_k, q_block=q_block, kv_block=kv_block, warmup=warmup,
+        return_layout=True, **({} if documents is None else {"cu_seqlens": documents[1]}),
+    )  # fmt: skip
+    exact = [t.detach().cpu().double().requires_grad_() for t in tensors]
+    if documents is not None:  # packed [T, H, D]: the reference runs it as one row [1, T, H, D]
+        exact = [t.detach()[None].requires_grad_() for t in exact]
+        grad_out = grad_out[None]
+    expected, expected_kl, selected = msa_reference(
+        *exact, top_k=top_k, q_block=q_block, kv_block=kv_block, warmup=warmup,
+        document_ids=None if documents is None else documents[0][None].cpu(),
+    )  # fmt: skip
+    assert relative_error(out.reshape(expected.shape), expected) < 1e-5
+    assert abs(kl_loss.item() - expected_kl.item()) < 1e-5 * max(1.0, expected_kl.item())
+    dense = layout.to_dense().cpu()  # [L, nq, nk]
+    assert torch.equal(dense.expand(selected.shape[0] * selected.shape[1], *dense.shape[1:]),
+                       selected.flatten(0, 1))  # fmt: skip
+    main, proxy = _gradients(
+        out, kl_loss, tensors, grad_out.to(out.dtype).to(DEVICE).reshape(out.shape)
+    )
+    expected_main, expected_proxy = _gradients(expected, expected_kl, exact, grad_out.double())
+    for got, want in zip([*main, *proxy], [*expected_main, *expected_proxy], strict=True):
+        assert relative_error(got.reshape(want.shape), want) < 1e-5
+
+
+# (B, S, (H_q, H_kv, H_p, H_pk), D, D_p, q_block, kv_block, top_k)
+CASES = {
+    "gqa-ragged": (2, 130, (4, 2, 2, 1), 16, 16, 16, 32, 3),
+    "equal-blocks": (1, 100, (2, 1, 2, 2), 16, 32, 32, 32, 2),
+    "top1-one-proxy": (1, 96, (4, 1, 1, 1), 32, 16, 16, 32, 1),
+    "topk-beyond-blocks": (1, 80, (2, 2, 2, 1), 16, 16, 16, 16, 100),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_msa_func_matches_reference(name, poisoned_allocations):
+    batch, seq_len, heads, dim, proxy_dim, q_block, kv_block, top_k = CASES[name]
+    tensors = _inputs(batch, seq_len, heads, dim, proxy_dim, seed=len(name))
+    grad_out = torch.randn(
+        batch, seq_len, heads[0], dim, generator=torch.Generator().manual_seed(1)
+    )
+    _check_against_reference(tensors, grad_out, top_k, q_block, kv_block, warmup=False)
+
+
+def test_warmup_is_dense_causal_with_the_full_kl(poisoned_allocations):
+    tensors = _inputs(1, 110, (4, 2, 2, 1), 16, 16, seed=5)
+    grad_out = torch.randn(1, 110, 4, 16, generator=torch.Generator().manual_seed(2))
+    _check_against_reference(tensors, grad_out, 1, 16, 32, warmup=True)
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_packed_documents_never_cross(warmup, poisoned_allocations):
+    """Empty and one-token documents; selection, attention and KL stay within documents."""
+    lengths = [0, 1, 45, 1, 70, 20]
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).int()
+    total = sum(lengths)
+    tensors = [t.detach()[0].requires_grad_() for t in _inputs(1, total, (4, 2, 2, 1), 16, 16)]
+    grad_out = torch.randn(total, 4, 16, generator=torch.Generator().manual_seed(3))
+    documents = (ids.to(DEVICE), bounds.to(DEVICE))
+    _check_against_reference(tensors, grad_out, 2, 16, 32, warmup, documents)
+
+
+def test_kl_loss_leaves_the_main_gradients_alone():
+    tensors = _inputs(1, 64, (2, 1, 1, 1), 16, 16, seed=9)
+    out, kl_loss = msa_func(*tensors, top_k=2, q_block=16, kv_block=16)
+    assert kl_loss.dim() == 0 and kl_loss.dtype == torch.float32 and kl_loss.item() > 0
+    kl_loss.backward()
+    assert all(t.grad is None for t in tensors[2:])
+    assert all(bool(t.grad.abs().sum() > 0) for t in tensors[:2])
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda t: (t[0][0], *t[1:]), ValueError, r"q_proxy must be 4-D \[B, S, H, D\]"),
+        (lambda t: (*t[:2], t[2].double(), *t[3:]), TypeError, "float64"),
+        (lambda t: (t[0].half(), *t[1:]), ValueError, "one dtype on one device"),
+        (lambda t: (*t[:2], t[2][:, :, :3], *t[3:]), ValueError, r"H_q \(3\) a multiple of H_p"),
+        (lambda t: (t[0], t[1][:, :10], *t[2:]), ValueError, "must agree in B and S"),
+        (lambda t: (*t[:4], t[4][..., :8]), ValueError, "must match"),
+        (lambda t: (t[0], t[1][..., :8], *t[2:]), ValueError, "head dims differ"),
+        (lambda t: (*t[:2], None, *t[3:]), TypeError, "q must be a torch.Tensor"),
+    ],
+)
+def test_msa_func_rejects_bad_tensors(change, error, match):
+    tensors = [t.detach() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
+    with pytest.raises(error, match=match):
+        msa_func(*change(tensors), top_k=2, q_block=16, kv_block=16)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(top_k=0), "top_k must be a positive int"),
+        (dict(q_block=48), "q_block must be one of"),
+        (dict(q_block=32, kv_block=16), r"q_block \(32\) must be <= kv_block \(16\)"),
+        (dict(cu_seqlens=torch.tensor([0, 32], dtype=torch.int32)), "must be 3-D"),
+    ],
+)
+def test_msa_func_rejects_bad_options(options, match):
+    tensors = [t.detach() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
+    with pytest.raises(ValueError, match=match):
+        msa_func(*tensors, **{"q_block": 16, "kv_block": 16, **options})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_msa_func_half_precision_on_gpu(dtype):
+    """MSA's shapes (q_block 64, kv_block 128, 16 query heads per proxy head, D = D_p = 128):
+    out, kl_loss and the proxy gradients within a few half-precision ulps of float64,
+    relative to the size of each."""
+    tensors = _inputs(1, 1000, (16, 1, 1, 1), 128, 128, dtype=dtype, seed=4)
+    grad_out = torch.randn(1, 1000, 16, 128, generator=torch.Generator().manual_seed(6))
+    out, kl_loss = msa_func(*tensors, top_k=4)
+    exact = [t.detach().cpu().double().requires_grad_() for t in tensors]
+    expected, expected_kl, _ = msa_reference(*exact, top_k=4, q_block=64, kv_block=128)
+    tolerance = 2 * 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
+    assert relative_error(out, expected) < tolerance
+    assert math.isclose(kl_loss.item(), expected_kl.item(), rel_tol=tolerance)
+    main, proxy = _gradients(out, kl_loss, tensors, grad_out.to(DEVICE, dtype))
+    expected_main, expected_proxy = _gradients(expected, expected_kl, exact, grad_out.double())
+    for got, want in zip([*main, *proxy], [*expected_main, *expected_proxy], strict=True):
+        assert relative_error(got, want) < 4 * tolerance
