@@ -9,7 +9,7 @@ from torch import nn
 
 from flash_msa import patterns
 from flash_msa.layout import BLOCK_SIZES, BlockLayout
-from flash_msa.msa.interface import msa_func
+from flash_msa.msa import msa_func
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.rotary import apply_rotary, rotary_tables
 
@@ -131,7 +131,8 @@ class MSAAttention(_ProjectedAttention):
     main attention, always causal, runs over those blocks only.
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
-    projection learns from kl_loss alone, and kl_loss sends no gradient into q, k or v.
+    projection learns from kl_loss alone (it reads x detached), and kl_loss sends no gradient
+    into q, k, v or the layers below.
     forward(x, warmup=True) attends densely (every causal block) while the proxy trains on the
     full causal context.
     """
@@ -197,9 +198,11 @@ class MSAAttention(_ProjectedAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = self.project_qkv(x)
         batch, seq_len, _ = x.shape
-        proxy_heads = [(self.num_proxy_heads, self.proxy_head_dim),
-                       (self.num_proxy_kv_heads, self.proxy_head_dim)]  # fmt: skip
-        q_proxy, k_proxy = _split_heads(self.proxy_proj(x), proxy_heads)
+        proxy_dim = self.proxy_head_dim
+        q_proxy, k_proxy = _split_heads(
+            self.proxy_proj(x.detach()),  # kl_loss trains proxy_proj alone, no layer below
+            [(self.num_proxy_heads, proxy_dim), (self.num_proxy_kv_heads, proxy_dim)],
+        )
         tables = {
             dim: rotary_tables(seq_len, dim, base=self.rope_base, device=x.device)
             for dim in {self.head_dim, self.proxy_head_dim}
