@@ -36,10 +36,14 @@ HEAD_DIM = PROXY_HEAD_DIM = 128
 TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128
 MSA_OPTIONS = dict(top_k=TOP_K, q_block=Q_BLOCK, kv_block=KV_BLOCK)
 DENSE_MEASURED_UP_TO = 128 * K
-# FlexAttention's one default forward tile on sm90 is 128 query rows, which a 64-row sparse
-# block cannot hold: ask for its generic 64 x 64 tile (the backward default already fits).
-FLEX_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
-                       "fwd_num_stages": 3}  # fmt: skip
+# FlexAttention's tiles must divide the sparse blocks (64 query x 128 key positions); its
+# default forward tile on sm90 has 128 query rows. Tile choices to try, first that compiles.
+FLEX_KERNEL_OPTIONS = [
+    {"BLOCK_M": 64, "BLOCK_N": 64},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+     "BLOCK_N2": 32},
+    {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
+]  # fmt: skip
 
 
 def parse_length(text: str) -> int:
@@ -246,15 +250,24 @@ def flex_fwd_bwd(inputs: dict, layout: BlockLayout) -> tuple[dict, float]:
     from block_sparse_attn_func's."""
     q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
     block_mask = flex_block_mask(layout, HEADS_Q)
-    flex = compiled_flex()
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
+    for options in FLEX_KERNEL_OPTIONS:
+        flex = compiled_flex()
 
-    def forward():
-        return flex(
-            q_t, k_t, v_t, block_mask=block_mask, enable_gqa=True,
-            kernel_options=FLEX_KERNEL_OPTIONS,
-        ).transpose(1, 2)  # fmt: skip
+        def forward(flex=flex, options=options):
+            return flex(
+                q_t, k_t, v_t, block_mask=block_mask, enable_gqa=True, kernel_options=options
+            ).transpose(1, 2)
 
+        try:
+            forward().backward(dout)
+            break
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            print(f"flex kernel_options {options}: {type(error).__name__}", flush=True)
+    for tensor in (q, k, v):
+        tensor.grad = None
     with torch.no_grad():
         difference = relative_difference(
             forward(), block_sparse_attn_func(q, k, v, layout, causal=True)
