@@ -340,7 +340,8 @@ def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> Non
             flex_ms = f"{flex['fwd_bwd_ms']:.3f}"
             versus_flex = f"{flex['fwd_bwd_ms'] / msa['main_attention_ms']:.2f}x"
         else:
-            flex_ms, versus_flex = flex.get("skipped", "-"), "-"
+            flex_ms = "failed (msa.json says why)" if "skipped" in flex else "-"
+            versus_flex = "-"
         dense_ms = "-" if dense is None else (
             f"{dense['fwd_bwd_ms']:,.1f}{'*' if dense['estimated'] else ''}"
         )  # fmt: skip

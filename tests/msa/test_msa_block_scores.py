@@ -138,11 +138,13 @@ Q_BLOCK, KV_BLOCK, PACK = 64, 128, 2  # MSA's blocks, 4 proxy heads per key head
 configs = module._configs(KV_BLOCK, Q_BLOCK * PACK)
 for config in (configs[0], configs[-1]):
     constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
-                      PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS, **config.kwargs)
+                      PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS,
+                      HAS_DOCUMENTS=False, **config.kwargs)
     signature = {
         arg: "constexpr" if arg in constexprs
         else "*bf16" if arg in ("q_proxy", "k_proxy")
         else "*fp32" if arg == "scores"
+        else "*i32" if arg == "documents"
         else "fp32" if arg == "scale"
         else "i32"
         for arg in module._block_scores_kernel.arg_names
