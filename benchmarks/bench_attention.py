@@ -12,7 +12,6 @@ attention where it fits. Writes DIR/attention.json, attention.md and attention.p
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import inspect
 import itertools
@@ -21,6 +20,7 @@ import pathlib
 
 import torch
 import triton
+from gpu_run import results_dir, run_metadata
 
 from flash_msa import block_sparse_attn_func, block_sparse_attn_varlen_func, patterns
 from flash_msa.layout import BlockLayout
@@ -323,17 +323,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    device_name = torch.cuda.get_device_name(device)
-    out_dir = pathlib.Path(
-        args.out or pathlib.Path(__file__).parent / "results" / device_name.split()[-1].lower()
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(
-        device=device_name,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.date.today().isoformat(),
-    )
+    meta = run_metadata(device)
+    out_dir = results_dir(args.out, meta)
     records, dense_timings = [], {}
     for name in args.cases.split(","):
         run = run_varlen_case if name in VARLEN_CASES else run_case

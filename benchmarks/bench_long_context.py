@@ -12,14 +12,13 @@ out, lse, dout, dq, dk, dv) and sampled-row errors. Writes DIR/long_context.json
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import importlib.util
 import json
 import pathlib
+import runpy
 
 import torch
-import triton
+from gpu_run import results_dir, run_metadata
 
 K = 1024
 STEP = 64 * K
@@ -27,19 +26,12 @@ LADDER = [128 * K, 256 * K, 512 * K, 1024 * K, 2048 * K, 3072 * K, 4096 * K, 512
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "long_context_layer.py"
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("long_context_layer", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def attempt(example, seq_len: int, heads_q: int, heads_kv: int) -> dict | None:
+def attempt(run, seq_len: int, heads_q: int, heads_kv: int) -> dict | None:
     """One layer at seq_len, or None when it runs out of memory."""
     gc.collect()
     torch.cuda.empty_cache()
     try:
-        result = example.run(seq_len, heads_q, heads_kv, "window", check_rows=2)
+        result = run(seq_len, heads_q, heads_kv, "window", check_rows=2)
     except torch.OutOfMemoryError:
         result = None
     gc.collect()
@@ -53,18 +45,18 @@ def attempt(example, seq_len: int, heads_q: int, heads_kv: int) -> dict | None:
     return result
 
 
-def longest(example, heads_q: int, heads_kv: int) -> list[dict]:
+def longest(run, heads_q: int, heads_kv: int) -> list[dict]:
     """Every length tried that fits, ladder first, then bisection at STEP granularity."""
     fits, too_long = [], None
     for seq_len in LADDER:
-        result = attempt(example, seq_len, heads_q, heads_kv)
+        result = attempt(run, seq_len, heads_q, heads_kv)
         if result is None:
             too_long = seq_len
             break
         fits.append(result)
     while too_long is not None and too_long - fits[-1]["seq_len"] > STEP:
         middle = (fits[-1]["seq_len"] + too_long) // 2 // STEP * STEP
-        result = attempt(example, middle, heads_q, heads_kv)
+        result = attempt(run, middle, heads_q, heads_kv)
         if result is None:
             too_long = middle
         else:
@@ -106,22 +98,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    out_dir = pathlib.Path(
-        args.out or pathlib.Path(__file__).parent / "results" / name.split()[-1].lower()
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(
-        device=name,
-        memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.date.today().isoformat(),
-    )
-    example, results = load_example(), []
+    meta = run_metadata(device)
+    out_dir = results_dir(args.out, meta)
+    run, results = runpy.run_path(str(EXAMPLE))["run"], []
     for pair in args.heads.split(","):
         heads_q, heads_kv = (int(h) for h in pair.split("/"))
-        results += sorted(longest(example, heads_q, heads_kv), key=lambda r: r["seq_len"])
+        results += sorted(longest(run, heads_q, heads_kv), key=lambda r: r["seq_len"])
         write_reports(results, meta, out_dir)
     print(f"wrote {out_dir}/long_context.json and long_context.md")
 

@@ -17,7 +17,6 @@ Writes DIR/msa.json and msa.md after each length (DIR defaults to benchmarks/res
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import pathlib
@@ -25,6 +24,7 @@ import pathlib
 import torch
 import triton
 from bench_attention import compiled_flex
+from gpu_run import results_dir, run_metadata
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.layout import BlockLayout
@@ -364,17 +364,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    device_name = torch.cuda.get_device_name(device)
-    out_dir = pathlib.Path(
-        args.out or pathlib.Path(__file__).parent / "results" / device_name.split()[-1].lower()
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(
-        device=device_name,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.date.today().isoformat(),
-    )
+    meta = run_metadata(device)
+    out_dir = results_dir(args.out, meta)
     records, dense_measured = [], {}
     for seq_len in sorted(parse_length(text) for text in args.seq_lens.split(",")):
         records += run_length(seq_len, device, dense_measured)

@@ -71,6 +71,23 @@ def _check(scores, top_k, seq_len, q_block, kv_block) -> None:
         )
 
 
+def _csr_rows(counts: torch.Tensor, num_layouts: int, per_layout: int):
+    """CSR of num_layouts layouts whose rows hold counts [nq] entries each (per_layout =
+    counts.sum(), known on the host): row_offsets int64 [L, nq + 1], and for each of the nnz
+    entries its flat row (layout * nq + row) and its slot within that row, int64 [nnz]."""
+    device = counts.device
+    nnz = num_layouts * per_layout
+    row_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [nq + 1]
+    row_offsets = torch.arange(num_layouts, device=device)[:, None] * per_layout + row_offsets
+    rows = torch.repeat_interleave(
+        torch.arange(num_layouts * counts.numel(), device=device),
+        counts.repeat(num_layouts),
+        output_size=nnz,
+    )  # [nnz]
+    slots = torch.arange(nnz, device=device) - row_offsets[:, :-1].flatten()[rows]
+    return row_offsets, rows, slots
+
+
 def select_blocks(
     scores: torch.Tensor, top_k: int, *, seq_len: int, q_block: int, kv_block: int
 ) -> BlockLayout:
@@ -93,19 +110,7 @@ def select_blocks(
     chosen = chosen.masked_fill(beyond, num_kv_blocks).sort(dim=-1).values
 
     per_layout = _blocks_per_layout(seq_len, q_block, kv_block, top_k)
-    num_layouts = batch * heads
-    nnz = num_layouts * per_layout
-    row_ends = counts.cumsum(0)  # [nq]
-    row_offsets = torch.cat([row_ends.new_zeros(1), row_ends])  # [nq + 1]
-    layout_starts = torch.arange(num_layouts, device=device)[:, None] * per_layout
-    row_offsets = layout_starts + row_offsets  # [L, nq + 1]
-    # Entry e of the flat CSR is slot (e - row start) of its row.
-    rows = torch.repeat_interleave(
-        torch.arange(num_layouts * num_q_blocks, device=device),
-        counts.repeat(num_layouts),
-        output_size=nnz,
-    )  # [nnz]
-    slots = torch.arange(nnz, device=device) - row_offsets[:, :-1].flatten()[rows]
+    row_offsets, rows, slots = _csr_rows(counts, batch * heads, per_layout)
     col_indices = chosen.reshape(-1, picks)[rows, slots]
     return BlockLayout(
         row_offsets.int(),
@@ -123,15 +128,9 @@ def causal_blocks(seq_len: int, *, q_block: int, kv_block: int, device=None) -> 
     """Every block with a causal pair: row b holds kv blocks 0 .. d(b) (MSA's warm-up)."""
     num_q_blocks = math.ceil(seq_len / q_block)
     counts = _diagonals(num_q_blocks, seq_len, q_block, kv_block, device) + 1  # [nq]
-    row_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[None]  # [1, nq + 1]
-    nnz = _blocks_per_layout(seq_len, q_block, kv_block, math.ceil(seq_len / kv_block))
-    starts = torch.repeat_interleave(row_offsets[0, :-1], counts, output_size=nnz)  # [nnz]
-    col_indices = torch.arange(nnz, device=device) - starts
+    per_layout = _blocks_per_layout(seq_len, q_block, kv_block, math.ceil(seq_len / kv_block))
+    row_offsets, _, slots = _csr_rows(counts, 1, per_layout)
     return BlockLayout(
-        row_offsets.int(),
-        col_indices.int(),
-        seq_len_q=seq_len,
-        q_block=q_block,
-        kv_block=kv_block,
+        row_offsets.int(), slots.int(), seq_len_q=seq_len, q_block=q_block, kv_block=kv_block,
         validate=False,
-    )
+    )  # fmt: skip
