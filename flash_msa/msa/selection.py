@@ -18,6 +18,7 @@ from flash_msa.layout import BLOCK_SIZES, BlockLayout
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 _INT64_MIN = torch.iinfo(torch.int64).min
+CHUNK_ELEMENTS = 1 << 26  # scores ranked at a time: 512 MiB of int64 keys
 
 
 def _diagonals(num_q_blocks: int, seq_len: int, q_block: int, kv_block: int, device):
@@ -99,11 +100,17 @@ def select_blocks(
     device = scores.device
     diagonals = _diagonals(num_q_blocks, seq_len, q_block, kv_block, device)  # [nq]
     columns = torch.arange(num_kv_blocks, device=device)
-    keys = _ordered_keys(scores)  # [B, H_p, nq, nk]
-    keys = torch.where(columns > diagonals[:, None], _INT64_MIN, keys)
-    keys = torch.where(columns == diagonals[:, None], _INT64_MAX, keys)
     picks = min(top_k, num_kv_blocks)
-    chosen = keys.topk(picks, dim=-1).indices  # [B, H_p, nq, picks], best first
+    # Rows in chunks: the int64 keys and their temporaries stay near CHUNK_ELEMENTS each.
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // (batch * heads * num_kv_blocks))
+    chosen = []
+    for first in range(0, num_q_blocks, rows_per_chunk):
+        rows = slice(first, first + rows_per_chunk)
+        keys = _ordered_keys(scores[:, :, rows])  # [B, H_p, rows, nk]
+        keys.masked_fill_(columns > diagonals[rows, None], _INT64_MIN)
+        keys.masked_fill_(columns == diagonals[rows, None], _INT64_MAX)
+        chosen.append(keys.topk(picks, dim=-1).indices)  # [B, H_p, rows, picks], best first
+    chosen = torch.cat(chosen, dim=2)  # [B, H_p, nq, picks]
     counts = (diagonals + 1).clamp(max=top_k)  # [nq]
     # Slots past a row's count hold ignored blocks: push them to the end, then sort ascending.
     beyond = torch.arange(picks, device=device) >= counts[:, None]  # [nq, picks]

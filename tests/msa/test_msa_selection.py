@@ -127,3 +127,13 @@ def test_select_blocks_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _check_layout(layout.to("cpu"), scores.cpu(), 16, 4096, 64, 128)
+
+
+def test_select_blocks_in_row_chunks(monkeypatch):
+    """Ranking a few rows at a time (as at long lengths) gives the same layout."""
+    from flash_msa.msa import selection
+
+    scores = _tied_scores(200, 16, 32, seed=11)  # [2, 3, 13, 7]
+    monkeypatch.setattr(selection, "CHUNK_ELEMENTS", 2 * 3 * 7 * 4)  # 4 rows per chunk
+    layout = select_blocks(scores, 3, seq_len=200, q_block=16, kv_block=32)
+    _check_layout(layout, scores, 3, 200, 16, 32)
