@@ -7,7 +7,8 @@ bf16, B=1, H_q=64, H_kv=4, D=128; proxy H_p=4, H_pk=1, D_p=128; top_k 16, q_bloc
 kv_block 128; causal. Per length, msa_func forward + backward (out.backward(dout) and
 kl_loss.backward() in one pass) is timed whole and in parts: selection (block_scores +
 select_blocks), main attention (block_sparse_attn_func over msa_func's layout, forward +
-backward) and KL (the total minus those two: the KL loss forward + backward and the glue).
+backward) and KL (the total minus those two: the KL loss forward + backward and the glue;
+the KL kernels alone, given the main lse, are timed too).
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
 BlockMask with per-head kv indices [1, H_q, nq, nk]; it is skipped where those do not fit.
@@ -28,7 +29,7 @@ from gpu_run import results_dir, run_metadata
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.layout import BlockLayout
-from flash_msa.msa import block_scores, msa_func, select_blocks
+from flash_msa.msa import block_scores, msa_func, proxy_kl_loss, select_blocks
 
 K, M = 1024, 1024 * 1024
 HEADS_Q, HEADS_KV, HEADS_PROXY, HEADS_PROXY_KEYS = 64, 4, 4, 1
@@ -126,6 +127,15 @@ def run_msa(seq_len: int, inputs: dict) -> tuple[dict, BlockLayout]:
     main_ms = timed(
         lambda: block_sparse_attn_func(q, k, v, layout, causal=True).backward(dout), [q, k, v]
     )["ms"]
+    with torch.no_grad():
+        lse = block_sparse_attn_func(q, k, v, layout, causal=True, return_lse=True)[1]
+    scale = HEAD_DIM**-0.5
+    kl_kernels_ms = timed(
+        lambda: proxy_kl_loss(
+            q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale, proxy_softmax_scale=scale
+        ).backward(),
+        [q_proxy, k_proxy],
+    )["ms"]
     # Each layout head serves H_q / H_p query heads; 3.5x the forward for forward + backward.
     main_flops = 3.5 * layout.flops(HEAD_DIM) * (HEADS_Q // HEADS_PROXY)
     score_flops = 2 * PROXY_HEAD_DIM * HEADS_PROXY * seq_len * (seq_len + 1) / 2
@@ -137,6 +147,7 @@ def run_msa(seq_len: int, inputs: dict) -> tuple[dict, BlockLayout]:
         block_scores_ms=round(scores_ms, 4),
         main_attention_ms=round(main_ms, 4),
         kl_ms=round(total["ms"] - selection_ms - main_ms, 4),
+        kl_kernels_ms=round(kl_kernels_ms, 4),
         block_scores_tflops=round(score_flops / scores_ms / 1e9, 1),
         main_attention_tflops=round(main_flops / main_ms / 1e9, 1),
         density=layout.density,
@@ -146,7 +157,7 @@ def run_msa(seq_len: int, inputs: dict) -> tuple[dict, BlockLayout]:
         f"S={seq_len:>8,} flash_msa  total {record['fwd_bwd_ms']:9.3f} ms = selection "
         f"{selection_ms:.3f} (block_scores {scores_ms:.3f}, {record['block_scores_tflops']} "
         f"TF/s) + main {main_ms:.3f} ({record['main_attention_tflops']} TF/s) + KL "
-        f"{record['kl_ms']:.3f}; peak {record['peak_gib']:.2f} GiB",
+        f"{record['kl_ms']:.3f} (kernels {kl_kernels_ms:.3f}); peak {record['peak_gib']:.2f} GiB",
         flush=True,
     )
     return record, layout
