@@ -135,7 +135,9 @@ def _kl_rows_kernel(
                 tl.exp(logits - safe_max[:, None]), axis=1
             )
             running_max = new_max
-            terms = tl.where(teacher > 0, teacher * (tl.log(teacher) - logits), 0.0)
+            used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
+            log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
+            terms = tl.where(used, teacher * log_ratio, 0.0)
             cross += tl.sum(terms, axis=1)
             teacher_sum += tl.sum(teacher, axis=1)
     if GRAD:
@@ -145,7 +147,10 @@ def _kl_rows_kernel(
         tl.store(pointers, (grad_q * proxy_scale).to(out.dtype.element_ty),
                  mask=(rows[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
     else:
-        lse_p = running_max + tl.log(running_sum)  # -inf for rows that see nothing
+        seen = running_sum > 0
+        lse_p = tl.where(
+            seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf")
+        )
         kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
         tl.store(lse_proxy + row_stats, lse_p, mask=rows < seq_len)
         tl.store(kl_rows + row_stats, kl, mask=rows < seq_len)
