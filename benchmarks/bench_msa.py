@@ -12,7 +12,8 @@ the KL kernels alone, given the main lse, are timed too).
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
 BlockMask with per-head kv indices [1, H_q, nq, nk]; it is skipped where those do not fit.
-Writes DIR/msa.json and msa.md after each length (DIR defaults to benchmarks/results/<gpu>/).
+Writes DIR/msa.json and msa.md after each length (DIR defaults to benchmarks/results/<gpu>/),
+keeping the records of lengths this run leaves out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import gc
 import json
 import pathlib
+import time
 
 import torch
 import triton
@@ -37,14 +39,6 @@ HEAD_DIM = PROXY_HEAD_DIM = 128
 TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128
 MSA_OPTIONS = dict(top_k=TOP_K, q_block=Q_BLOCK, kv_block=KV_BLOCK)
 DENSE_MEASURED_UP_TO = 128 * K
-# FlexAttention's tiles must divide the sparse blocks (64 query x 128 key positions); its
-# default forward tile on sm90 has 128 query rows. Tile choices to try, first that compiles.
-FLEX_KERNEL_OPTIONS = [
-    {"BLOCK_M": 64, "BLOCK_N": 64},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
-     "BLOCK_N2": 32},
-    {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
-]  # fmt: skip
 
 
 def parse_length(text: str) -> int:
@@ -256,36 +250,47 @@ def flex_block_mask(layout: BlockLayout, heads_q: int):
     )
 
 
+def flex_tiles_dividing_blocks():
+    """A context in which Inductor compiles flex with tiles whose query rows divide the 64-row
+    blocks: forward 64 x 64, backward dK/dV 32 x 64 and dQ 64 x 32 (3 stages, 4 warps each),
+    the tiles its max_autotune picked at 32K. Its one default backward tile on sm90 at D=128
+    has 128 query rows (NoValidChoicesError), and max_autotune took 111 s at 32K and did not
+    finish within 8 minutes at 128K."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
+    from torch._inductor.virtualized import V
+
+    class DividingTiles(InductorChoices):
+        def get_flex_attention_fwd_configs(self, *args, **kwargs):
+            return [FlexConfig(64, 64, 3, 4)]
+
+        def get_flex_attention_bwd_configs(self, *args, **kwargs):
+            return [FlexBwDConfig(32, 64, 64, 32, 3, 4)]
+
+    return V.set_choices_handler(DividingTiles())
+
+
 def flex_fwd_bwd(inputs: dict, layout: BlockLayout) -> tuple[dict, float]:
     """Compiled FlexAttention fwd+bwd over layout, and the relative difference of its output
     from block_sparse_attn_func's."""
     q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
     block_mask = flex_block_mask(layout, HEADS_Q)
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
-    for options in FLEX_KERNEL_OPTIONS:
-        flex = compiled_flex()
+    flex = compiled_flex()
 
-        def forward(flex=flex, options=options):
-            return flex(
-                q_t, k_t, v_t, block_mask=block_mask, enable_gqa=True, kernel_options=options
-            ).transpose(1, 2)
+    def forward():
+        return flex(q_t, k_t, v_t, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
 
-        try:
-            # On sm90 at D=128 Inductor's one default backward tile has 128 query rows, which
-            # a 64-row block cannot hold; max_autotune adds the 32 and 64-row tiles.
-            with torch._inductor.config.patch(max_autotune=True):
-                forward().backward(dout)
-            break
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            print(f"flex kernel_options {options}: {type(error).__name__}", flush=True)
+    started = time.perf_counter()
+    with flex_tiles_dividing_blocks():
+        out = forward()  # with grad: a no_grad call would compile anew
+        out.backward(dout)
+    print(f"flex compiled in {time.perf_counter() - started:.0f} s", flush=True)
     for tensor in (q, k, v):
         tensor.grad = None
     with torch.no_grad():
-        difference = relative_difference(
-            forward(), block_sparse_attn_func(q, k, v, layout, causal=True)
-        )
+        difference = relative_difference(out, block_sparse_attn_func(q, k, v, layout, causal=True))
+    del out
     free_memory()
     return timed(lambda: forward().backward(dout), [q, k, v]), difference
 
@@ -327,9 +332,7 @@ def run_length(seq_len: int, device, dense_measured: dict) -> list[dict]:
 
 
 def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> None:
-    (out_dir / "msa.json").write_text(
-        json.dumps([{**record, **meta} for record in records], indent=1)
-    )
+    (out_dir / "msa.json").write_text(json.dumps(records, indent=1))
     by_length: dict[int, dict] = {}
     for record in records:
         by_length.setdefault(record["seq_len"], {})[record["impl"]] = record
@@ -341,7 +344,8 @@ def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> Non
         f"H_pk={HEADS_PROXY_KEYS}, D_p={PROXY_HEAD_DIM}; top_k {TOP_K}, q_block {Q_BLOCK}, "
         f"kv_block {KV_BLOCK}; causal. Forward + backward ms, medians of do_bench. KL = total "
         "minus selection and main attention. Flex runs the main attention only, on the same "
-        "blocks. Dense figures marked * are estimated from 128K (x (S / 128K)^2).",
+        "blocks, with tiles of 32 and 64 query rows. Dense figures marked * are estimated "
+        "from 128K (x (S / 128K)^2). Each row's date is in msa.json.",
         "",
         "| S | flash_msa ms | selection ms | block_scores TFLOP/s | main attention ms | "
         "main TFLOP/s | KL ms | peak GiB | flex ms (main only) | main speed-up vs flex | "
@@ -377,9 +381,14 @@ def main() -> None:
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, meta)
-    records, dense_measured = [], {}
-    for seq_len in sorted(parse_length(text) for text in args.seq_lens.split(",")):
-        records += run_length(seq_len, device, dense_measured)
+    seq_lens = sorted(parse_length(text) for text in args.seq_lens.split(","))
+    earlier = out_dir / "msa.json"  # lengths this run leaves out keep their earlier records
+    kept = json.loads(earlier.read_text()) if earlier.exists() else []
+    records = [record for record in kept if record["seq_len"] not in seq_lens]
+    dense_measured = {}
+    for seq_len in seq_lens:
+        records += [{**record, **meta} for record in run_length(seq_len, device, dense_measured)]
+        records.sort(key=lambda record: record["seq_len"])
         write_reports(records, meta, out_dir)  # partial results survive a timeout
     print(f"wrote {out_dir}/msa.json and msa.md")
 
