@@ -19,10 +19,12 @@ keeping the records of lengths this run leaves out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import pathlib
 import time
+from unittest import mock
 
 import torch
 import triton
@@ -258,16 +260,16 @@ def flex_tiles_dividing_blocks():
     finish within 8 minutes at 128K."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
-    from torch._inductor.virtualized import V
 
-    class DividingTiles(InductorChoices):
-        def get_flex_attention_fwd_configs(self, *args, **kwargs):
-            return [FlexConfig(64, 64, 3, 4)]
-
-        def get_flex_attention_bwd_configs(self, *args, **kwargs):
-            return [FlexBwDConfig(32, 64, 64, 32, 3, 4)]
-
-    return V.set_choices_handler(DividingTiles())
+    # Patched on the class, not set as V's thread-local handler: autograd compiles the
+    # backward on its own device thread.
+    tiles = contextlib.ExitStack()
+    for method, config in (
+        ("get_flex_attention_fwd_configs", FlexConfig(64, 64, 3, 4)),
+        ("get_flex_attention_bwd_configs", FlexBwDConfig(32, 64, 64, 32, 3, 4)),
+    ):
+        tiles.enter_context(mock.patch.object(InductorChoices, method, return_value=[config]))
+    return tiles
 
 
 def flex_fwd_bwd(inputs: dict, layout: BlockLayout) -> tuple[dict, float]:
