@@ -6,7 +6,8 @@ bf16, batch 1, head dim 128, block 128, causal. Each case builds one layout; fla
 runs it, FlexAttention runs the identical blocks (BlockMask.from_kv_blocks, diagonal
 blocks partial with a causal mask_mod, the rest full), and SDPA runs dense causal
 attention where it fits. Writes DIR/attention.json, attention.md and attention.png
-(DIR defaults to benchmarks/results/<gpu>/).
+(DIR defaults to benchmarks/results/<gpu>/), keeping the records of cases this run leaves
+out.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pathlib
 
 import torch
 import triton
-from gpu_run import results_dir, run_metadata
+from gpu_run import kept_records, results_dir, run_metadata
 
 from flash_msa import block_sparse_attn_func, block_sparse_attn_varlen_func, patterns
 from flash_msa.layout import BlockLayout
@@ -262,9 +263,7 @@ def run_varlen_case(name: str, device, dense_timings: dict) -> list[dict]:
 
 
 def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> None:
-    (out_dir / "attention.json").write_text(
-        json.dumps([{**record, **meta} for record in records], indent=1)
-    )
+    (out_dir / "attention.json").write_text(json.dumps(records, indent=1))
     by_case: dict[str, dict] = {}
     for record in records:
         by_case.setdefault(record["case"], {})[record["impl"]] = record
@@ -273,7 +272,8 @@ def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> Non
         "",
         f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}. "
         "bf16, B=1, D=128, block 128, causal; medians of do_bench. TFLOP/s over the "
-        "computed pairs (active blocks; dense causal: half the square).",
+        "computed pairs (active blocks; dense causal: half the square). Each row's date is in "
+        "attention.json.",
         "",
         "| case | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB | "
         "fwd+bwd speed-up vs flex |",
@@ -325,10 +325,13 @@ def main() -> None:
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, meta)
-    records, dense_timings = [], {}
-    for name in args.cases.split(","):
+    names = args.cases.split(",")
+    records, dense_timings = kept_records(out_dir / "attention.json", "case", names), {}
+    order = {name: index for index, name in enumerate([*CASES, *VARLEN_CASES])}
+    for name in names:
         run = run_varlen_case if name in VARLEN_CASES else run_case
-        records += run(name, device, dense_timings)
+        records += [{**record, **meta} for record in run(name, device, dense_timings)]
+        records.sort(key=lambda record: order[record["case"]])
         write_reports(records, meta, out_dir)  # partial results survive a timeout
     print(f"wrote {out_dir}/attention.json, attention.md, attention.png")
 

@@ -29,7 +29,7 @@ from unittest import mock
 import torch
 import triton
 from bench_attention import compiled_flex
-from gpu_run import results_dir, run_metadata
+from gpu_run import kept_records, results_dir, run_metadata
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.layout import BlockLayout
@@ -384,9 +384,7 @@ def main() -> None:
     meta = run_metadata(device)
     out_dir = results_dir(args.out, meta)
     seq_lens = sorted(parse_length(text) for text in args.seq_lens.split(","))
-    earlier = out_dir / "msa.json"  # lengths this run leaves out keep their earlier records
-    kept = json.loads(earlier.read_text()) if earlier.exists() else []
-    records = [record for record in kept if record["seq_len"] not in seq_lens]
+    records = kept_records(out_dir / "msa.json", "seq_len", seq_lens)
     dense_measured = {}
     for seq_len in seq_lens:
         records += [{**record, **meta} for record in run_length(seq_len, device, dense_measured)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import pathlib
 
 import torch
@@ -26,3 +27,10 @@ def results_dir(out: str | None, meta: dict) -> pathlib.Path:
     path = pathlib.Path(out or pathlib.Path(__file__).parent / "results" / folder)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def kept_records(path: pathlib.Path, field: str, measured) -> list[dict]:
+    """The records (a JSON list at path, if any) whose `field` is not among those this run
+    measures: a run of some cases or lengths keeps the earlier figures of the others."""
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    return [record for record in earlier if record[field] not in measured]

@@ -280,16 +280,18 @@ from flash_msa.ops.triton import backward, configs, forward
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 tensors = {"q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v"}
 D, Q_BLOCK, KV_BLOCK = 128, 64, 128
+TMA = sys.argv[3] == "tma"
 shared = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK, HAS_LEFT=True,
               HAS_RIGHT=True, HAS_DOCUMENTS=sys.argv[2] == "features",
-              HAS_DROPOUT=sys.argv[2] == "features", DOT_PRECISION="tf32")
+              HAS_DROPOUT=sys.argv[2] == "features", DOT_PRECISION="tf32", TMA=TMA)
+SHARED_HEADS = 1 if TMA else 4  # TMA: unpacked query tiles, all through descriptors
 kernels = [
     ("forward", forward._forward_kernel, configs.forward_configs(D, KV_BLOCK)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), 4), {}),
+     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), SHARED_HEADS), {}),
     ("dq", backward._dq_kernel, configs.dq_configs(D, KV_BLOCK)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dq"), 4), {}),
+     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dq"), SHARED_HEADS), {}),
     ("dkdv", backward._dkdv_kernel, configs.dkdv_configs(D)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dkdv"), 4),
+     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dkdv"), SHARED_HEADS),
      {"BLOCK_N": configs.dkdv_kv_rows(D, KV_BLOCK)}),
 ]
 for name, kernel, config, tile, extra in kernels:
@@ -317,11 +319,13 @@ for name, kernel, config, tile, extra in kernels:
 """
 
 
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
 @pytest.mark.parametrize("features", ["plain", "features"])
-def test_kernels_compile_for_hopper(tmp_path, features):
+def test_kernels_compile_for_hopper(tmp_path, features, loads):
     """Interpreter runs never reach Triton's GPU code generation; compile each kernel for
-    sm_90 (bf16, D = 128, GQA-packed, causal + window; plain, then with documents and
-    dropout) with the ptxas Triton bundles."""
+    sm_90 (bf16, D = 128, causal + window; plain, then with documents and dropout) with the
+    ptxas Triton bundles: GQA-packed tiles through pointer loads, and unpacked tiles
+    through tensor descriptors."""
     import os
     import subprocess
     import sys
@@ -334,7 +338,7 @@ def test_kernels_compile_for_hopper(tmp_path, features):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE, str(tmp_path), features],
+        [sys.executable, "-c", SM90_COMPILE, str(tmp_path), features, loads],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -26,13 +26,15 @@ from flash_msa.ops.triton.forward import (
     LOG2_E,
     _documents_of,
     _dropout_scale,
-    _load_rows,
+    _load_tile,
     _mask_scores,
     _packed_rows,
     _row_offsets,
     _row_steps,
     _step_first,
     _store_rows,
+    _tile_source,
+    descriptor_scratch,
     document_arguments,
     dot_precision,
     head_dim_pad,
@@ -41,6 +43,7 @@ from flash_msa.ops.triton.forward import (
     mask_arguments,
     packing,
     tile_order,
+    use_tma,
 )
 
 LOG2_E_CONSTANT: tl.constexpr = tl.constexpr(LOG2_E)
@@ -112,6 +115,7 @@ def _dq_kernel(
     HAS_DOCUMENTS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B), tiles in tile_order; lse and
@@ -125,12 +129,19 @@ def _dq_kernel(
 
     positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M], [BLOCK_M]
     row_valid = positions < seq_len_q  # [BLOCK_M]
-    q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
-    q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
-    o_rows = _row_offsets(positions, heads, stride_os, stride_oh)  # [BLOCK_M]
-    o_tile = _load_rows(out + batch * stride_ob, o_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
-    do_rows = _row_offsets(positions, heads, stride_dos, stride_doh)  # [BLOCK_M]
-    do_tile = _load_rows(grad_out + batch * stride_dob, do_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+    ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
+    q_source = _tile_source(q + batch * stride_qb, first_head, stride_qs, stride_qh, seq_len_q,
+                            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    q_tile = _load_tile(q_source, query_first, positions, heads, row_valid, stride_qs, stride_qh,
+                        HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
+    o_source = _tile_source(out + batch * stride_ob, first_head, stride_os, stride_oh, seq_len_q,
+                            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    o_tile = _load_tile(o_source, query_first, positions, heads, row_valid, stride_os, stride_oh,
+                        HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
+    do_source = _tile_source(grad_out + batch * stride_dob, first_head, stride_dos, stride_doh,
+                             seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    do_tile = _load_tile(do_source, query_first, positions, heads, row_valid, stride_dos,
+                         stride_doh, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
     documents += batch * stride_documents_b
     query_documents = _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
 
@@ -139,8 +150,10 @@ def _dq_kernel(
     tl.store(delta + lse_offsets, row_delta, mask=row_valid)
     row_lse = _log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]
 
-    k_base = k + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k_source = _tile_source(k + batch * stride_kb, kv_head, stride_ks, stride_kh, seq_len_kv,
+                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    v_source = _tile_source(v + batch * stride_vb, kv_head, stride_vs, stride_vh, seq_len_kv,
+                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
     key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
     steps_per_block: tl.constexpr = KV_BLOCK // BLOCK_N
@@ -153,10 +166,10 @@ def _dq_kernel(
         key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
         key_positions = key_first + key_range  # [BLOCK_N]
         key_valid = key_positions < seq_len_kv  # [BLOCK_N]
-        k_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
-        k_tile = _load_rows(k_base, k_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
-        v_rows = key_positions.to(tl.int64) * stride_vs  # [BLOCK_N]
-        v_tile = _load_rows(v_base, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
+        k_tile = _load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_ks,
+                            stride_kh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+        v_tile = _load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_vs,
+                            stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
 
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -249,6 +262,7 @@ def _dkdv_kernel(
     HAS_DOCUMENTS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B), in kv order: under a causal layout the first kv
@@ -262,11 +276,16 @@ def _dkdv_kernel(
 
     key_positions = key_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     key_valid = key_positions < seq_len_kv  # [BLOCK_N]
-    k_rows = key_positions.to(tl.int64) * stride_ks + kv_head.to(tl.int64) * stride_kh
-    k_tile = _load_rows(k + batch * stride_kb, k_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)
-    v_rows = key_positions.to(tl.int64) * stride_vs + kv_head.to(tl.int64) * stride_vh
-    v_tile = _load_rows(v + batch * stride_vb, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)
+    k_source = _tile_source(k + batch * stride_kb, kv_head, stride_ks, stride_kh, seq_len_kv,
+                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    k_tile = _load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_ks,
+                        stride_kh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+    v_source = _tile_source(v + batch * stride_vb, kv_head, stride_vs, stride_vh, seq_len_kv,
+                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    v_tile = _load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_vs,
+                        stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
     documents += batch * stride_documents_b
+    ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
@@ -279,16 +298,20 @@ def _dkdv_kernel(
         step_start, step_end = _row_steps(
             row_offsets, layout, stride_layout, key_first // KV_BLOCK, steps_per_block
         )
+        q_source = _tile_source(q + batch * stride_qb, first_head, stride_qs, stride_qh,
+                                seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+        do_source = _tile_source(
+            grad_out + batch * stride_dob, first_head, stride_dos, stride_doh, seq_len_q,
+            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA,
+        )  # fmt: skip
         for step in range(step_start, step_end):
             query_first = _step_first(row_indices, step, steps_per_block, Q_BLOCK, ROWS)
             positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
             row_valid = positions < seq_len_q  # [BLOCK_M]
-            q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
-            q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
-            do_rows = _row_offsets(positions, heads, stride_dos, stride_doh)  # [BLOCK_M]
-            do_tile = _load_rows(
-                grad_out + batch * stride_dob, do_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD
-            )  # [BLOCK_M, D_PAD]
+            q_tile = _load_tile(q_source, query_first, positions, heads, row_valid, stride_qs,
+                                stride_qh, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+            do_tile = _load_tile(do_source, query_first, positions, heads, row_valid, stride_dos,
+                                 stride_doh, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
             lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions
             row_lse = _log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
             row_delta = tl.load(delta + lse_offsets, mask=row_valid, other=0.0)  # [BLOCK_M]
@@ -382,6 +405,7 @@ def attention_backward(
         Q_BLOCK=layout.q_block,
         KV_BLOCK=layout.kv_block,
         DOT_PRECISION=dot_precision(q.dtype),
+        TMA=use_tma(q, k, v, out, grad_out),
         HAS_DOCUMENTS=document_ids is not None,
         HAS_DROPOUT=dropout_p > 0,
         **mask_arguments(causal, window_size),
@@ -396,14 +420,15 @@ def attention_backward(
     tile = packing(layout, layout.q_block, configs.max_query_rows(padded, "dq"), heads_q, heads_kv)
     order = tile_order(layout, tile.rows)
     grid = (order.numel(), heads_q // tile.pack, batch)
-    _tuned_dq(padded, layout.kv_block)[grid](
-        q, k, v, out, grad_out, lse, delta, grad_q,
-        row_offsets, layout.col_indices, order,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
-        documents, stride_documents, dropout_p, dropout_seed, row_offsets.stride(0), *scalars,
-        ROWS=tile.rows, PACK=tile.pack, **shared,
-    )  # fmt: skip
+    with descriptor_scratch(q.device):
+        _tuned_dq(padded, layout.kv_block)[grid](
+            q, k, v, out, grad_out, lse, delta, grad_q,
+            row_offsets, layout.col_indices, order,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
+            documents, stride_documents, dropout_p, dropout_seed, row_offsets.stride(0),
+            *scalars, ROWS=tile.rows, PACK=tile.pack, **shared,
+        )  # fmt: skip
 
     transposed = layout.transpose()
     transposed_offsets = transposed.row_offsets.contiguous()
@@ -411,13 +436,14 @@ def attention_backward(
     max_rows = configs.max_query_rows(padded, "dkdv")
     tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
     grid = (triton.cdiv(seq_len_kv, kv_rows), heads_kv, batch)
-    _tuned_dkdv(padded)[grid](
-        q, k, v, grad_out, lse, delta, grad_k, grad_v,
-        transposed_offsets, transposed.col_indices,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-        *grad_k.stride()[:3], *grad_v.stride()[:3], lse.stride(0), lse.stride(1),
-        documents, stride_documents, dropout_p, dropout_seed, transposed_offsets.stride(0),
-        *scalars,
-        ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
-    )  # fmt: skip
+    with descriptor_scratch(q.device):
+        _tuned_dkdv(padded)[grid](
+            q, k, v, grad_out, lse, delta, grad_k, grad_v,
+            transposed_offsets, transposed.col_indices,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+            *grad_k.stride()[:3], *grad_v.stride()[:3], lse.stride(0), lse.stride(1),
+            documents, stride_documents, dropout_p, dropout_seed, transposed_offsets.stride(0),
+            *scalars,
+            ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
+        )  # fmt: skip
     return grad_q, grad_k, grad_v

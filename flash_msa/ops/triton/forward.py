@@ -11,12 +11,14 @@ backward kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton import configs
@@ -48,6 +50,38 @@ def _load_rows(base, row_offsets, row_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
     mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)  # [R, D_PAD]
     return tl.load(base + row_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_source(
+    base, head, stride_s, stride_h, seq_len, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Where a program's [ROWS, D_PAD] tiles of one head come from; base points at this batch
+    row of a [B, S, H, D] tensor. TMA: a 2-D [S, D] tensor descriptor of the head, built on
+    the device once per program outside the loops (rows past S and dims past D read as 0);
+    otherwise base itself, for _load_tile's pointer loads."""
+    if TMA:
+        return tl.make_tensor_descriptor(
+            base + head.to(tl.int64) * stride_h, shape=[seq_len, HEAD_DIM], strides=[stride_s, 1],
+            block_shape=[ROWS, HEAD_DIM_PAD],
+        )  # fmt: skip
+    else:
+        return base
+
+
+@triton.jit
+def _load_tile(
+    source, first_position, positions, heads, row_valid, stride_s, stride_h,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """[R, D_PAD] tile of the rows (positions, heads) from a _tile_source; with TMA those are
+    the R positions from first_position of the source's head. Invalid rows read as 0."""
+    if TMA:
+        return source.load([first_position, 0])
+    else:
+        rows = _row_offsets(positions, heads, stride_s, stride_h)  # [R]
+        return _load_rows(source, rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @triton.jit
@@ -198,10 +232,12 @@ def _forward_kernel(
     HAS_DOCUMENTS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B); tile_order maps program 0..
-    to the query tile it runs (heavy rows first). qk_scale = softmax_scale * log2(e)."""
+    to the query tile it runs (heavy rows first). qk_scale = softmax_scale * log2(e).
+    TMA: K/V tiles (and unpacked Q tiles) load through tensor descriptors."""
     tile = tl.load(tile_order + tl.program_id(0))
     first_head = tl.program_id(1) * PACK
     batch = tl.program_id(2).to(tl.int64)
@@ -211,13 +247,18 @@ def _forward_kernel(
 
     positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M], [BLOCK_M]
     row_valid = positions < seq_len_q  # [BLOCK_M]
-    q_rows = _row_offsets(positions, heads, stride_qs, stride_qh)  # [BLOCK_M]
-    q_tile = _load_rows(q + batch * stride_qb, q_rows, row_valid, HEAD_DIM, HEAD_DIM_PAD)
+    ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
+    q_source = _tile_source(q + batch * stride_qb, first_head, stride_qs, stride_qh, seq_len_q,
+                            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    q_tile = _load_tile(q_source, query_first, positions, heads, row_valid, stride_qs, stride_qh,
+                        HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
     documents += batch * stride_documents_b
     query_documents = _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
 
-    k_base = k + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k_source = _tile_source(k + batch * stride_kb, kv_head, stride_ks, stride_kh, seq_len_kv,
+                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    v_source = _tile_source(v + batch * stride_vb, kv_head, stride_vs, stride_vh, seq_len_kv,
+                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
     key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
 
     # The group's heads in this tile share one layout row (PACK > 1 only if they do).
@@ -233,11 +274,11 @@ def _forward_kernel(
     for step in range(step_start, step_end):
         key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
         key_positions = key_first + key_range  # [BLOCK_N]
-        key_rows = key_positions.to(tl.int64) * stride_ks  # [BLOCK_N]
         key_valid = key_positions < seq_len_kv  # [BLOCK_N]
-        k_tile = _load_rows(k_base, key_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
-        v_rows = key_positions.to(tl.int64) * stride_vs  # [BLOCK_N]
-        v_tile = _load_rows(v_base, v_rows, key_valid, HEAD_DIM, HEAD_DIM_PAD)  # [BLOCK_N, D_PAD]
+        k_tile = _load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_ks,
+                            stride_kh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+        v_tile = _load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_vs,
+                            stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
 
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
         scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -325,8 +366,45 @@ def packing(layout: BlockLayout, block: int, max_rows: int, heads_q: int, heads_
 
 AUTOTUNE_KEY = [
     "HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT", "HAS_DOCUMENTS",
-    "HAS_DROPOUT",
+    "HAS_DROPOUT", "TMA",
 ]  # fmt: skip
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether tiles load through tensor descriptors (TMA): on Hopper and newer GPUs, and under
+    the interpreter except for bf16 (whose descriptor tiles it reads wrongly), when every
+    tensor's base address and row strides are multiples of 16 bytes, as TMA requires."""
+    first = tensors[0]
+    if configs.interpreting():
+        if first.dtype == torch.bfloat16:
+            return False
+    elif not (first.is_cuda and torch.cuda.get_device_capability(first.device)[0] >= 9):
+        return False
+    return all(
+        tensor.data_ptr() % 16 == 0
+        and all(stride * tensor.element_size() % 16 == 0 for stride in tensor.stride()[:-1])
+        for tensor in tensors
+    )
+
+
+@contextlib.contextmanager
+def descriptor_scratch(device: torch.device):
+    """Descriptors made in a kernel live in global scratch memory that Triton asks its
+    allocator for at launch: lend PyTorch's caching allocator, unless the caller has set an
+    allocator. Set around each launch, on the launching thread (autograd's backward runs on
+    its own)."""
+    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        yield
+        return
+
+    def allocate(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    token = _allocation._allocator.set(allocate)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def tile_order(layout: BlockLayout, rows: int) -> torch.Tensor:
@@ -381,16 +459,18 @@ def attention_forward(
     documents, stride_documents, has_documents = document_arguments(document_ids, row_offsets)
     order = tile_order(layout, tile.rows)
     grid = (order.numel(), heads_q // tile.pack, batch)
-    _tuned_forward(padded, layout.kv_block)[grid](
-        q, k, v, out, lse, row_offsets, layout.col_indices, order,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1), documents, stride_documents, dropout_p, dropout_seed,
-        row_offsets.stride(0),
-        seq_len_q, k.shape[1], heads_q // heads_kv, layout_batch_stride, layout_head_divisor,
-        softmax_scale * LOG2_E,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
-        ROWS=tile.rows, PACK=tile.pack, DOT_PRECISION=dot_precision(q.dtype),
-        HAS_DOCUMENTS=has_documents, HAS_DROPOUT=dropout_p > 0,
-        **mask_arguments(causal, window_size),
-    )  # fmt: skip
+    with descriptor_scratch(q.device):
+        _tuned_forward(padded, layout.kv_block)[grid](
+            q, k, v, out, lse, row_offsets, layout.col_indices, order,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            lse.stride(0), lse.stride(1), documents, stride_documents, dropout_p, dropout_seed,
+            row_offsets.stride(0),
+            seq_len_q, k.shape[1], heads_q // heads_kv, layout_batch_stride, layout_head_divisor,
+            softmax_scale * LOG2_E,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=padded, Q_BLOCK=layout.q_block,
+            KV_BLOCK=layout.kv_block, ROWS=tile.rows, PACK=tile.pack,
+            DOT_PRECISION=dot_precision(q.dtype), TMA=use_tma(q, k, v),
+            HAS_DOCUMENTS=has_documents, HAS_DROPOUT=dropout_p > 0,
+            **mask_arguments(causal, window_size),
+        )  # fmt: skip
     return out, lse
