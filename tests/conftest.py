@@ -10,6 +10,9 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the GPU machine)")
+    config.addinivalue_line(
+        "markers", "large_memory: needs most of the GPU's memory (run alone, not in parallel)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

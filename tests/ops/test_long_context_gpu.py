@@ -10,6 +10,7 @@ EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "long_context_layer.p
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 @pytest.mark.parametrize("seq_len", [1 << 20, 1 << 21])  # S * H * D = 2^31 and 2^32
 @pytest.mark.parametrize("pattern", ["window", "topk"])
 def test_long_context_layer(seq_len, pattern):

@@ -10,6 +10,8 @@ import torch
 
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton import attention_backward, attention_forward
+from flash_msa.ops.triton import backward as triton_backward
+from flash_msa.ops.triton import forward as triton_forward
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
 
@@ -172,8 +174,30 @@ def check(name: str, actual: torch.Tensor, expected: torch.Tensor, like: torch.T
     assert error < TOLERANCE_FP32, f"{name}: relative error {error:.3g}"
 
 
+@pytest.fixture(params=["tma", "pointers"])
+def loads(request, monkeypatch):
+    """Run a test with tiles loaded through tensor descriptors (where use_tma allows them:
+    on Hopper, and here under the interpreter for fp32) and again through pointers (other
+    GPUs, and tensors TMA cannot address)."""
+    if request.param == "pointers":
+        for module in (triton_forward, triton_backward):
+            monkeypatch.setattr(module, "use_tma", lambda *tensors: False)
+    return request.param
+
+
+def test_tma_needs_16_byte_alignment_and_no_interpreted_bf16():
+    if DEVICE == "cpu":
+        assert not triton_forward.use_tma(torch.zeros(4, 8, dtype=torch.bfloat16))
+    elif torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or newer")
+    rows = torch.zeros(2, 64, 4, 32, device=DEVICE)  # [B, S, H, D] fp32
+    assert triton_forward.use_tma(rows)
+    assert not triton_forward.use_tma(rows[..., 1:])  # base 4 bytes past an aligned one
+    assert not triton_forward.use_tma(torch.zeros(2, 64, 3, 3, device=DEVICE))  # 36-byte rows
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_backward_match_reference(name, poisoned_allocations):
+def test_forward_backward_match_reference(name, loads, poisoned_allocations):
     case = CASES[name]
     layout = case.layout().to(DEVICE)
     q, k, v = case.inputs(device=DEVICE)
