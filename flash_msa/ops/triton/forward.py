@@ -4,6 +4,8 @@ One program owns a query tile of ROWS positions x PACK query heads (PACK > 1 pac
 heads of a GQA group that share a layout row, so each K/V tile is loaded once for all of
 them) and walks that q block's CSR row: only active blocks cost work. Online softmax in
 fp32 with exp2; element masks (causal, window, ragged kv end) only on partial tiles.
+On Hopper, K/V tiles (and unpacked query tiles) load through 2-D tensor descriptors (TMA)
+built by each program; elsewhere through pointers (use_tma decides).
 
 The jit helpers here (tile rows, masks, loads, launch arguments) are shared with the
 backward kernels.
