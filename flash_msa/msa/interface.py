@@ -134,6 +134,11 @@ def msa_func(
             f"msa_func runs Triton kernels: pass CUDA tensors (got {q.device}), or set "
             "TRITON_INTERPRET=1 before importing flash_msa to run them on the CPU"
         )
+    if q.device.type != "cuda" and q.dtype == torch.bfloat16:
+        raise TypeError(
+            "Triton's CPU interpreter computes bfloat16 wrongly; on the CPU pass float16 or "
+            "float32 tensors"
+        )
     document_ids = None
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], device=q.device)

@@ -122,6 +122,11 @@ def _check_options(causal, window_size, softmax_scale, dropout_p, backend, devic
         raise TypeError(
             "float64 runs on backend='torch' only; cast to float32 or pick that backend"
         )
+    if backend == "triton" and device.type != "cuda" and dtype == torch.bfloat16:
+        raise TypeError(
+            "Triton's CPU interpreter computes bfloat16 wrongly; on the CPU use float16 or "
+            "float32 with backend='triton', or backend='torch'"
+        )
     return backend
 
 

@@ -124,6 +124,13 @@ def test_msa_func_rejects_bad_tensors(change, error, match):
         msa_func(*change(tensors), top_k=2, q_block=16, kv_block=16)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter runs on the CPU")
+def test_msa_func_rejects_bfloat16_on_the_interpreter():
+    tensors = [t.detach().bfloat16() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
+    with pytest.raises(TypeError, match="interpreter computes bfloat16 wrongly"):
+        msa_func(*tensors, top_k=2, q_block=16, kv_block=16)
+
+
 @pytest.mark.parametrize(
     "options, match",
     [

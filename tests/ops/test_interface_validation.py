@@ -103,6 +103,14 @@ def test_float64_is_for_the_torch_backend_only(monkeypatch):
     assert block_sparse_attn_func(q, k, v, LAYOUT).dtype == torch.float64
 
 
+def test_interpreted_bfloat16_is_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="interpreter computes bfloat16 wrongly"):
+        block_sparse_attn_func(q, k, v, LAYOUT, backend="triton")
+    assert block_sparse_attn_func(q, k, v, LAYOUT).dtype == torch.bfloat16  # auto: torch
+
+
 def test_layout_on_another_device_is_rejected():
     layout = LAYOUT.to("meta")
     args = inputs()

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import triton
 
 from flash_msa.layout import BlockLayout
-from flash_msa.ops.triton import attention_backward, attention_forward
+from flash_msa.ops.triton import attention_backward, attention_forward, configs
 from flash_msa.ops.triton import backward as triton_backward
 from flash_msa.ops.triton import forward as triton_forward
 from flash_msa.reference import attention_reference, layout_mask
@@ -185,10 +186,8 @@ def loads(request, monkeypatch):
     return request.param
 
 
-def test_tma_needs_16_byte_alignment_and_no_interpreted_bf16():
-    if DEVICE == "cpu":
-        assert not triton_forward.use_tma(torch.zeros(4, 8, dtype=torch.bfloat16))
-    elif torch.cuda.get_device_capability()[0] < 9:
+def test_tma_needs_16_byte_alignment():
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or newer")
     rows = torch.zeros(2, 64, 4, 32, device=DEVICE)  # [B, S, H, D] fp32
     assert triton_forward.use_tma(rows)
@@ -251,15 +250,11 @@ GPU_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", list(GPU_CASES))
-def test_half_precision_within_twice_torch_error(name, dtype, poisoned_allocations):
+def assert_within_twice_torch_error(case: Case, dtype: torch.dtype, device: str = "cuda"):
     """FlashAttention's rule: error vs float64 at most 2x that of PyTorch in the same dtype."""
-    case = GPU_CASES[name]
-    layout = case.layout().to("cuda")
-    q, k, v = case.inputs(dtype, "cuda")
-    grad_out = torch.randn(q.shape, dtype=dtype, device="cuda")
+    layout = case.layout().to(device)
+    q, k, v = case.inputs(dtype, device)
+    grad_out = torch.randn(q.shape, dtype=dtype, device=device)
     out, lse = attention_forward(q, k, v, layout, **case.options())
     dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
     exact = reference(case, q, k, v, grad_out)
@@ -277,6 +272,49 @@ def test_half_precision_within_twice_torch_error(name, dtype, poisoned_allocatio
         assert mine.dtype == (torch.float32 if label == "lse" else dtype), label
         error, torch_error = relative_error(mine, truth), relative_error(torch_value, truth)
         assert error <= 2 * torch_error + 1e-6, f"{label}: {error:.3g} vs torch {torch_error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_half_precision_within_twice_torch_error(name, dtype, poisoned_allocations):
+    assert_within_twice_torch_error(GPU_CASES[name], dtype)
+
+
+# D = 128 at blocks of 128 keys, where every autotune config applies: unpacked query tiles
+# (all loads through TMA on Hopper) and GQA-packed ones (K/V through TMA).
+CONFIG_CASES = {
+    "unpacked": Case(
+        batch=1, seq_len_q=1000, heads_q=4, heads_kv=2, head_dim=128, q_block=128,
+        kv_block=128, layout_heads="kv", causal=True, density=0.6,
+    ),
+    "packed": Case(
+        batch=1, seq_len_q=1000, heads_q=8, heads_kv=2, head_dim=128, q_block=64,
+        kv_block=128, layout_heads="kv", causal=True, density=0.6,
+    ),
+}  # fmt: skip
+KERNEL_CONFIGS = {  # kernel -> (module, its autotuned factory, the jit function, its configs)
+    "forward": (triton_forward, "_tuned_forward", triton_forward._forward_kernel,
+                configs.forward_configs(128, 128)),
+    "dq": (triton_backward, "_tuned_dq", triton_backward._dq_kernel, configs.dq_configs(128, 128)),
+    "dkdv": (triton_backward, "_tuned_dkdv", triton_backward._dkdv_kernel,
+             configs.dkdv_configs(128)),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", list(CONFIG_CASES))
+@pytest.mark.parametrize(
+    "kernel, index",
+    [(kernel, index) for kernel, entry in KERNEL_CONFIGS.items() for index in range(len(entry[3]))],
+)
+def test_every_autotune_config_within_twice_torch_error(kernel, index, case_name, monkeypatch):
+    """The autotuner keeps whichever config runs fastest on the machine at hand, so each
+    one it may pick must be right, not only today's winner."""
+    module, factory, function, choices = KERNEL_CONFIGS[kernel]
+    single = triton.autotune(configs=[choices[index]], key=triton_forward.AUTOTUNE_KEY)(function)
+    monkeypatch.setattr(module, factory, lambda *shape: single)
+    assert_within_twice_torch_error(CONFIG_CASES[case_name], torch.bfloat16)
 
 
 @pytest.mark.gpu

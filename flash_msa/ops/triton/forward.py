@@ -374,13 +374,11 @@ AUTOTUNE_KEY = [
 
 def use_tma(*tensors: torch.Tensor) -> bool:
     """Whether tiles load through tensor descriptors (TMA): on Hopper and newer GPUs, and under
-    the interpreter except for bf16 (whose descriptor tiles it reads wrongly), when every
-    tensor's base address and row strides are multiples of 16 bytes, as TMA requires."""
+    the interpreter, when every tensor's base address and row strides are multiples of 16
+    bytes, as TMA requires."""
     first = tensors[0]
-    if configs.interpreting():
-        if first.dtype == torch.bfloat16:
-            return False
-    elif not (first.is_cuda and torch.cuda.get_device_capability(first.device)[0] >= 9):
+    on_hopper = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] >= 9
+    if not (on_hopper or configs.interpreting()):
         return False
     return all(
         tensor.data_ptr() % 16 == 0
