@@ -195,6 +195,8 @@ def test_tma_needs_16_byte_alignment():
     assert triton_forward.use_tma(rows)
     assert not triton_forward.use_tma(rows[..., 1:])  # base 4 bytes past an aligned one
     assert not triton_forward.use_tma(torch.zeros(2, 64, 3, 3, device=DEVICE))  # 36-byte rows
+    assert not triton_forward.use_tma(rows[:, :1].expand(2, 64, 4, 32))  # broadcast positions
+    assert triton_forward.use_tma(rows[:1])  # a batch of one: its stride is never used
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -255,6 +257,20 @@ def test_random_problems_match_reference(case):
         else:
             error = relative_error(actual, exact)
             assert error < TOLERANCE_FP32, f"{name}: relative error {error:.3g}"
+
+
+def test_broadcast_grad_out(poisoned_allocations):
+    """dout expanded along positions (stride 0), as autograd hands it for out.mean(1)."""
+    case = CASES["causal-gqa2-ragged-layout-per-batch-kvhead"]
+    layout = case.layout().to(DEVICE)
+    q, k, v = case.inputs(device=DEVICE)
+    out, lse = attention_forward(q, k, v, layout, **case.options())
+    grad_out = torch.randn(case.batch, 1, case.heads_q, case.head_dim).expand(out.shape)
+    grads = attention_backward(grad_out.to(DEVICE), q, k, v, out, lse, layout, **case.options())
+    expected = reference(case, q, k, v, grad_out.contiguous())[2:]
+    for name, actual, exact, like in zip(("dq", "dk", "dv"), grads, expected, (q, k, v),
+                                         strict=True):  # fmt: skip
+        check(name, actual, exact, like)
 
 
 def test_empty_rows_give_zeros_and_minus_inf():

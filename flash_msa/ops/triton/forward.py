@@ -375,14 +375,17 @@ AUTOTUNE_KEY = [
 def use_tma(*tensors: torch.Tensor) -> bool:
     """Whether tiles load through tensor descriptors (TMA): on Hopper and newer GPUs, and under
     the interpreter, when every tensor's base address and row strides are multiples of 16
-    bytes, as TMA requires."""
+    bytes, as TMA requires, and no dimension is broadcast (stride 0, e.g. an expanded dout)."""
     first = tensors[0]
     on_hopper = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] >= 9
     if not (on_hopper or configs.interpreting()):
         return False
     return all(
         tensor.data_ptr() % 16 == 0
-        and all(stride * tensor.element_size() % 16 == 0 for stride in tensor.stride()[:-1])
+        and all(
+            stride * tensor.element_size() % 16 == 0 and (stride > 0 or size == 1)
+            for size, stride in zip(tensor.shape[:-1], tensor.stride()[:-1], strict=True)
+        )
         for tensor in tensors
     )
 
