@@ -10,6 +10,15 @@ BLOCK_SIZES = (16, 32, 64, 128)
 DENSE_LIMIT = 1 << 28  # elements of to_dense() before it refuses (256 MiB of bool)
 
 
+def check_block_size(name: str, value) -> int:
+    """A block size must be one of BLOCK_SIZES (an int, not a float or a bool)."""
+    if type(value) is not int or value not in BLOCK_SIZES:
+        raise ValueError(
+            f"{name} must be one of {BLOCK_SIZES} (an int), got {value!r}; 64 or 128 run fastest"
+        )
+    return value
+
+
 def _first_true(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
@@ -41,9 +50,8 @@ class BlockLayout:
         for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("q_block", q_block), ("kv_block", kv_block)):
-            if value not in BLOCK_SIZES:
-                raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value!r}")
+        check_block_size("q_block", q_block)
+        check_block_size("kv_block", kv_block)
         for name, tensor in (("row_offsets", row_offsets), ("col_indices", col_indices)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
