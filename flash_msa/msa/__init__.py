@@ -4,15 +4,12 @@ from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.interface import msa_func
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.reference import block_scores_reference, msa_reference, select_blocks_reference
-from flash_msa.msa.selection import causal_blocks, select_blocks
 
 __all__ = [
     "block_scores",
     "block_scores_reference",
-    "causal_blocks",
     "msa_func",
     "msa_reference",
     "proxy_kl_loss",
-    "select_blocks",
     "select_blocks_reference",
 ]

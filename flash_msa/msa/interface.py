@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa import patterns
+from flash_msa.layout import BLOCK_SIZES
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.kl import proxy_kl_loss
-from flash_msa.msa.selection import causal_blocks, select_blocks
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.ops.triton.configs import interpreting
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
@@ -71,29 +71,6 @@ def _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens) -> N
         )
 
 
-def _within_documents(layout: BlockLayout, documents: torch.Tensor) -> BlockLayout:
-    """layout without the blocks holding no causal pair of one document. documents int32 [S]
-    (non-decreasing). Query block b lies inside one kv block (q_block divides kv_block), so an
-    earlier block c shares a document with b iff its last key's document is that of b's first
-    query; the diagonal block always does (every query sees itself). Reads nnz: one sync."""
-    seq_len = layout.seq_len_q
-    rows = layout.entry_rows() % layout.num_q_blocks  # [nnz]
-    cols = layout.col_indices.long()
-    last_key = ((cols + 1) * layout.kv_block).clamp(max=seq_len) - 1
-    first_query = rows * layout.q_block
-    diagonal = ((rows + 1) * layout.q_block).clamp(max=seq_len).sub(1) // layout.kv_block
-    keep = (documents[last_key] == documents[first_query]) | (cols == diagonal)
-    return BlockLayout.from_keys(
-        layout.keys()[keep],
-        seq_len_q=seq_len,
-        seq_len_kv=seq_len,
-        q_block=layout.q_block,
-        kv_block=layout.kv_block,
-        layout_batch=layout.layout_batch,
-        layout_heads=layout.layout_heads,
-    )
-
-
 def msa_func(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
@@ -151,18 +128,22 @@ def msa_func(
     )
     with torch.no_grad():
         if warmup:
-            layout = causal_blocks(seq_len, q_block=q_block, kv_block=kv_block, device=q.device)
+            layout = patterns.causal(seq_len, q_block=q_block, kv_block=kv_block, device=q.device)
         else:
             scores = block_scores(
                 q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
                 proxy_softmax_scale=proxy_scale, document_ids=document_ids,
             )  # fmt: skip
-            layout = select_blocks(
-                scores, top_k, seq_len=seq_len, q_block=q_block, kv_block=kv_block
-            )
+            layout = patterns.topk(
+                scores, top_k, seq_len_q=seq_len, q_block=q_block, kv_block=kv_block,
+                fixed_counts=True,
+            )  # fmt: skip
             del scores
         if document_ids is not None:
-            layout = _within_documents(layout, document_ids[0])
+            layout = layout & patterns.causal(
+                seq_len, q_block=q_block, kv_block=kv_block, device=q.device,
+                cu_seqlens=cu_seqlens,
+            )  # fmt: skip
     out, lse = block_sparse_attn_func(
         q, k, v, layout, causal=True, softmax_scale=scale, return_lse=True,
         document_ids=document_ids,

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import progression_rows, query_blocks, square_meta
+from flash_msa.patterns._build import (
+    diagonals,
+    is_int,
+    layout_meta,
+    progression_rows,
+    query_blocks,
+)
 from flash_msa.patterns.sliding_window import window_bounds
 
 
@@ -14,16 +22,32 @@ def dilated(
     *,
     causal: bool = True,
     block_size: int = 128,
+    q_block: int | None = None,
+    kv_block: int | None = None,
     device=None,
 ) -> BlockLayout:
     """Blocks c within the sliding window of row r (see sliding_window) whose distance
-    from the diagonal is a multiple of dilation: (r - c) % dilation == 0."""
-    if not isinstance(dilation, int) or dilation < 1:
+    from the diagonal d(r) (the kv block of r's last query) is a multiple of dilation:
+    (d(r) - c) % dilation == 0.
+
+    Args:
+        seq_len: tokens of queries and keys.
+        window: tokens of the sliding window.
+        dilation: keep every dilation-th block (1 = the whole window).
+        block_size: q_block and kv_block when they are not given.
+
+    Returns:
+        A single-head BlockLayout.
+    """
+    if not is_int(dilation) or dilation < 1:
         raise ValueError(f"dilation must be a positive int (1 = dense window), got {dilation!r}")
-    meta = square_meta(seq_len, block_size)
-    lower, upper = window_bounds(seq_len, window, causal, block_size, device)
-    row = query_blocks(meta, device)
-    upper = upper.clamp(max=row.numel() - 1)
-    start = row - (row - lower) // dilation * dilation  # lowest c >= lower with c = r mod dilation
+    meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
+    lower, upper = window_bounds(meta, window, causal, device)
+    diagonal = diagonals(query_blocks(meta, device), meta)  # [nq]
+    num_kv_blocks = math.ceil(seq_len / meta["kv_block"])
+    dilation = min(dilation, num_kv_blocks)  # past the kv blocks: the diagonal alone
+    upper = upper.clamp(max=num_kv_blocks - 1)
+    # The lowest c >= lower with c = d(r) mod dilation.
+    start = diagonal - (diagonal - lower) // dilation * dilation
     count = (upper - start) // dilation + 1
     return progression_rows(start, count, dilation, meta)

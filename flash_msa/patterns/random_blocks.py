@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import query_blocks, square_meta
+from flash_msa.patterns._build import diagonals, is_int, layout_meta, query_blocks
 
 _MASK32 = 0xFFFFFFFF
 
@@ -25,27 +27,43 @@ def random_blocks(
     seed: int = 0,
     causal: bool = True,
     block_size: int = 128,
+    q_block: int | None = None,
+    kv_block: int | None = None,
     device=None,
 ) -> BlockLayout:
-    """blocks_per_row distinct blocks per row drawn uniformly (among c <= r when causal;
-    all of them when fewer exist), by Floyd's sampling vectorised over rows."""
-    if not isinstance(blocks_per_row, int) or blocks_per_row < 0:
+    """blocks_per_row distinct blocks per row drawn uniformly, by Floyd's sampling
+    vectorised over rows.
+
+    Args:
+        seq_len: tokens of queries and keys.
+        blocks_per_row: blocks drawn per row; a row with fewer candidates (the blocks
+            0 .. d(r) when causal, d(r) the kv block of r's last query; all kv blocks
+            otherwise) takes them all, so counts past the kv blocks cost no more.
+        seed: the same seed gives the same layout on every device.
+        block_size: q_block and kv_block when they are not given.
+
+    Returns:
+        A single-head BlockLayout.
+    """
+    if not is_int(blocks_per_row) or blocks_per_row < 0:
         raise ValueError(f"blocks_per_row must be a non-negative int, got {blocks_per_row!r}")
     if not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    meta = square_meta(seq_len, block_size)
-    rows = query_blocks(meta, device)  # [nb]
-    num_blocks = rows.numel()
-    candidates = rows + 1 if causal else torch.full_like(rows, num_blocks)  # [nb]
-    picks = torch.minimum(candidates, torch.full_like(rows, blocks_per_row))  # [nb]
-    row_seed = _hash32(_hash32(torch.full_like(rows, seed & _MASK32)) ^ rows)  # [nb]
-    chosen = torch.full((num_blocks, blocks_per_row), -1, dtype=torch.int64, device=rows.device)
-    for draw in range(blocks_per_row):  # Floyd: the draw-th pick is uniform in [0, last]
-        last = candidates - picks + draw  # [nb]
-        uniform = (_hash32(row_seed ^ (draw * 0x9E3779B1)) * (last + 1)) >> 32  # [nb] in [0, last]
+    meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
+    rows = query_blocks(meta, device)  # [nq]
+    num_kv_blocks = math.ceil(seq_len / meta["kv_block"])
+    draws = min(blocks_per_row, num_kv_blocks)  # no row has more candidates
+    everything = torch.full_like(rows, num_kv_blocks)
+    candidates = diagonals(rows, meta) + 1 if causal else everything  # [nq]
+    picks = torch.minimum(candidates, torch.full_like(rows, draws))  # [nq]
+    row_seed = _hash32(_hash32(torch.full_like(rows, seed & _MASK32)) ^ rows)  # [nq]
+    chosen = torch.full((rows.numel(), draws), -1, dtype=torch.int64, device=rows.device)
+    for draw in range(draws):  # Floyd: the draw-th pick is uniform in [0, last]
+        last = candidates - picks + draw  # [nq]
+        uniform = (_hash32(row_seed ^ (draw * 0x9E3779B1)) * (last + 1)) >> 32  # [nq] in [0, last]
         taken = (chosen[:, :draw] == uniform[:, None]).any(dim=1)
         pick = torch.where(taken, last, uniform)
         chosen[:, draw] = torch.where(draw < picks, pick, -1)
-    chosen = chosen.sort(dim=1).values  # [nb, k], -1 (unused) first
-    keys = (rows[:, None] * num_blocks + chosen)[chosen >= 0]
+    chosen = chosen.sort(dim=1).values  # [nq, draws], -1 (unused) first
+    keys = (rows[:, None] * num_kv_blocks + chosen)[chosen >= 0]
     return BlockLayout.from_keys(keys, **meta)

@@ -5,20 +5,18 @@ from __future__ import annotations
 import torch
 
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import band_rows, row_documents, square_meta, tokens_to_blocks
+from flash_msa.patterns._build import band_rows, layout_meta, row_documents, tokens_to_blocks
 
 
-def window_bounds(
-    seq_len: int, window: int, causal: bool, block_size: int, device, cu_seqlens=None
-):
+def window_bounds(meta: dict, window: int, causal: bool, device, cu_seqlens=None):
     """First and last kv block of each query block holding keys j of the same document
     with i - window <= j <= i (+ window when not causal), int64 [nq] each."""
-    tokens_to_blocks("window", window, block_size)
-    square_meta(seq_len, block_size)
-    first, last, start, end = row_documents(seq_len, block_size, cu_seqlens, device)
-    lower = torch.maximum(first - window, start) // block_size
-    upper = first // block_size if causal else torch.minimum(last + window, end - 1) // block_size
-    return lower, upper
+    tokens_to_blocks("window", window, meta["kv_block"])
+    window = min(window, meta["seq_len_q"])  # a longer window sees no more (and fits int64)
+    first, last, start, end = row_documents(meta, cu_seqlens, device)
+    lower = torch.maximum(first - window, start) // meta["kv_block"]
+    upper = last if causal else torch.minimum(last + window, end - 1)
+    return lower, upper // meta["kv_block"]
 
 
 def sliding_window(
@@ -27,14 +25,26 @@ def sliding_window(
     *,
     causal: bool = True,
     block_size: int = 128,
+    q_block: int | None = None,
+    kv_block: int | None = None,
     device=None,
     cu_seqlens=None,
 ) -> BlockLayout:
     """Blocks holding the pairs with i - window <= j <= i (causal) or |i - j| <= window;
-    with cu_seqlens (int32 [N + 1] over seq_len packed tokens) only pairs of one document.
+    with cu_seqlens only pairs of one document.
 
     Matches window_size=(window, 0) (causal) or (window, window) in the attention call;
     without window_size the whole blocks are attended.
+
+    Args:
+        seq_len: tokens of queries and keys.
+        window: tokens a query sees on each side it looks (windows past seq_len see it all).
+        block_size: q_block and kv_block when they are not given.
+        cu_seqlens: int32 [N + 1] documents packed over the seq_len tokens, or None.
+
+    Returns:
+        A single-head BlockLayout.
     """
-    lower, upper = window_bounds(seq_len, window, causal, block_size, device, cu_seqlens)
-    return band_rows(lower, upper, square_meta(seq_len, block_size))
+    meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
+    lower, upper = window_bounds(meta, window, causal, device, cu_seqlens)
+    return band_rows(lower, upper, meta)

@@ -8,12 +8,16 @@ from flash_msa import patterns
 SIZES = [(256, 32), (200, 32), (100, 16), (130, 64)]  # (seq_len, block): ragged tails too
 
 
-def blocks_of(token_mask: torch.Tensor, block: int) -> torch.Tensor:
-    """bool [S_q, S_kv] token mask -> [1, nq, nk]: a block is active if any pair in it is."""
+def blocks_of(token_mask: torch.Tensor, block: int, kv_block: int | None = None) -> torch.Tensor:
+    """bool [S_q, S_kv] token mask -> [1, nq, nk] (blocks of block x kv_block, square when
+    kv_block is None): a block is active if any pair in it is."""
+    kv_block = block if kv_block is None else kv_block
     seq_q, seq_kv = token_mask.shape
-    padded = torch.zeros(-(-seq_q // block) * block, -(-seq_kv // block) * block, dtype=torch.bool)
+    padded = torch.zeros(
+        -(-seq_q // block) * block, -(-seq_kv // kv_block) * kv_block, dtype=torch.bool
+    )
     padded[:seq_q, :seq_kv] = token_mask
-    grid = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    grid = padded.view(padded.shape[0] // block, block, padded.shape[1] // kv_block, kv_block)
     return grid.any(dim=3).any(dim=1)[None]
 
 
@@ -130,45 +134,92 @@ def test_from_dense_mask_errors():
         patterns.from_dense_mask(torch.ones(4, dtype=torch.bool), seq_len_q=100, block_size=32)
 
 
-def brute_topk(scores, k, include_diagonal, causal):
-    picked = torch.zeros(scores.shape, dtype=torch.bool)
-    for row in range(scores.shape[0]):
-        ranked = []
-        for col in range(scores.shape[1]):
-            score = float(scores[row, col])
-            if causal and col > row:
-                continue
-            if include_diagonal and col == row:
-                score = float("inf")
-            if score > float("-inf"):
-                ranked.append((-score, col))
-        for _, col in sorted(ranked)[:k]:
-            picked[row, col] = True
-    return picked
+RECTANGLES = [(300, 64, 128), (300, 128, 64), (200, 16, 32), (200, 32, 16), (77, 16, 64)]
 
 
-@pytest.mark.parametrize("k", [1, 2, 5, 12])
-@pytest.mark.parametrize("include_diagonal", [True, False])
+def diagonal_of(seq_len, q_block, kv_block):
+    """int64 [nq, 1]: the last kv block holding a causal pair of each query block."""
+    causal_blocks = blocks_of(torch.ones(seq_len, seq_len).tril().bool(), q_block, kv_block)[0]
+    columns = torch.arange(causal_blocks.shape[1])
+    return torch.where(causal_blocks, columns, -1).amax(1, keepdim=True)
+
+
+@pytest.mark.parametrize("seq_len, q_block, kv_block", RECTANGLES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_topk_against_brute_force_with_ties(k, include_diagonal, causal):
-    generator = torch.Generator().manual_seed(k)
-    scores = torch.randint(0, 3, (2, 10, 10), generator=generator).float()  # many ties
-    scores[0, 3, :2] = float("-inf")  # never chosen
-    layout = patterns.topk(
-        scores, k, seq_len_q=300, include_diagonal=include_diagonal, causal=causal, block_size=32
+def test_rectangular_blocks(seq_len, q_block, kv_block, causal):
+    """Every builder with q_block != kv_block against the token masks."""
+    blocks = dict(q_block=q_block, kv_block=kv_block)
+
+    def check(layout, token_mask):
+        layout._validate()
+        assert (layout.q_block, layout.kv_block) == (q_block, kv_block)
+        assert torch.equal(layout.to_dense(), blocks_of(token_mask, q_block, kv_block))
+
+    i, j = positions(seq_len)
+    check(patterns.causal(seq_len, **blocks), j <= i)
+    for window in [0, 1, 40, 64, 500]:
+        check(
+            patterns.sliding_window(seq_len, window, causal=causal, **blocks),
+            window_tokens(seq_len, window, causal),
+        )
+    for num_global in [0, 1, 70]:
+        check(
+            patterns.global_tokens(seq_len, num_global, causal=causal, **blocks),
+            global_token_mask(seq_len, num_global, causal),
+        )
+    diagonal = diagonal_of(seq_len, q_block, kv_block)  # [nq, 1]
+    for window, dilation in [(64, 1), (100, 2), (256, 3)]:
+        layout = patterns.dilated(seq_len, window, dilation, causal=causal, **blocks)
+        layout._validate()
+        band = blocks_of(window_tokens(seq_len, window, causal), q_block, kv_block)
+        columns = torch.arange(band.shape[2])[None, :]
+        assert torch.equal(layout.to_dense(), band & ((diagonal - columns) % dilation == 0))
+    candidates = blocks_of(j <= i, q_block, kv_block) if causal else torch.ones_like(band)
+    for blocks_per_row in [0, 1, 3, 20]:
+        layout = patterns.random_blocks(seq_len, blocks_per_row, seed=2, causal=causal, **blocks)
+        layout._validate()
+        dense = layout.to_dense()
+        assert not (dense & ~candidates).any()
+        assert torch.equal(dense.sum(2), candidates.sum(2).clamp(max=blocks_per_row))
+    sinks = global_token_mask(seq_len, 40, causal)
+    bigbird = patterns.bigbird(seq_len, 50, 40, 2, seed=3, causal=causal, **blocks)
+    random = patterns.random_blocks(seq_len, 2, seed=3, causal=causal, **blocks)
+    expected = blocks_of(window_tokens(seq_len, 50, causal) | sinks, q_block, kv_block)
+    assert torch.equal(bigbird.to_dense(), expected | random.to_dense())
+    longformer = patterns.longformer(seq_len, 50, 40, causal=causal, **blocks)
+    assert torch.equal(longformer.to_dense(), expected)
+
+
+def test_rectangular_from_dense_mask():
+    mask = torch.rand(2, 4, 2, generator=torch.Generator().manual_seed(1)) < 0.5
+    layout = patterns.from_dense_mask(mask, seq_len_q=100, q_block=32, kv_block=64)
+    assert (layout.q_block, layout.kv_block, layout.layout_heads) == (32, 64, 2)
+    assert torch.equal(layout.to_dense(), mask)
+
+
+def test_counts_past_the_candidates_are_capped():
+    """Counts beyond what a row can hold give the capped layout, built as fast."""
+    assert torch.equal(
+        patterns.random_blocks(1024, 10**5).to_dense(), patterns.random_blocks(1024, 8).to_dense()
     )
-    layout._validate()
-    expected = torch.stack([brute_topk(s, k, include_diagonal, causal) for s in scores])
-    assert torch.equal(layout.to_dense(), expected)
-
-
-def test_topk_errors():
-    with pytest.raises(ValueError, match="contains NaN"):
-        patterns.topk(torch.full((2, 2), float("nan")), 1, seq_len_q=64, block_size=32)
-    with pytest.raises(ValueError, match="k must be a positive int, got 0"):
-        patterns.topk(torch.zeros(2, 2), 0, seq_len_q=64, block_size=32)
-    with pytest.raises(TypeError, match="must be floating point"):
-        patterns.topk(torch.zeros(2, 2, dtype=torch.long), 1, seq_len_q=64, block_size=32)
+    assert torch.equal(
+        patterns.random_blocks(1024, 10**5, causal=False, q_block=64, kv_block=128).to_dense(),
+        patterns.random_blocks(1024, 8, causal=False, q_block=64, kv_block=128).to_dense(),
+    )
+    assert torch.equal(
+        patterns.bigbird(512, 128, 128, 10**7).to_dense(),
+        patterns.bigbird(512, 128, 128, 4).to_dense(),
+    )
+    for window in [10**30, 2**63]:  # past int64 too
+        assert torch.equal(
+            patterns.sliding_window(300, window, causal=False, block_size=32).to_dense(),
+            patterns.sliding_window(300, 300, causal=False, block_size=32).to_dense(),
+        )
+        assert torch.equal(
+            patterns.global_tokens(300, window, causal=False, block_size=32).to_dense(),
+            patterns.global_tokens(300, 300, causal=False, block_size=32).to_dense(),
+        )
+        assert patterns.dilated(300, 64, window, block_size=32).nnz == 10  # the diagonal only
 
 
 def test_stack_gives_one_layout_head_each():
@@ -191,6 +242,46 @@ def test_stack_gives_one_layout_head_each():
         (lambda: patterns.dilated(64, 32, 0), ValueError, "dilation must be a positive int"),
         (lambda: patterns.random_blocks(64, -2), ValueError, "blocks_per_row must be"),
         (lambda: patterns.causal(64, block_size=100), ValueError, "q_block must be one of"),
+        (lambda: patterns.causal(True), ValueError, "seq_len must be a positive int, got True"),
+        (lambda: patterns.causal(64.0), ValueError, "seq_len must be a positive int, got 64.0"),
+        (lambda: patterns.causal(64, block_size=0), ValueError, "q_block must be .* got 0"),
+        (lambda: patterns.causal(64, q_block=64.0), ValueError, "q_block must be .* got 64.0"),
+        (lambda: patterns.causal(64, kv_block=True), ValueError, "kv_block must be .* got True"),
+        (
+            lambda: patterns.causal(64, block_size=0, q_block=32, kv_block=32),
+            ValueError,
+            "block_size must be one of .* got 0",
+        ),
+        (lambda: patterns.sliding_window(64, True), ValueError, "window must be .* got True"),
+        (lambda: patterns.sliding_window(64, 2.5), ValueError, "window must be .* got 2.5"),
+        (lambda: patterns.global_tokens(64, -1), ValueError, "num_global must be .* got -1"),
+        (lambda: patterns.dilated(64, 32, 2.0), ValueError, "dilation must be .* got 2.0"),
+        (lambda: patterns.random_blocks(64, 1.0), ValueError, "blocks_per_row .* got 1.0"),
+        (lambda: patterns.random_blocks(0, 1), ValueError, "seq_len must be .* got 0"),
+        (
+            lambda: patterns.documents(torch.tensor([0, 0], dtype=torch.int32)),
+            ValueError,
+            "positive number of tokens, got 0",
+        ),
+        (
+            lambda: patterns.documents(torch.tensor([], dtype=torch.int32)),
+            ValueError,
+            "at least 2 entries",
+        ),
+        (
+            lambda: patterns.from_dense_mask(
+                torch.ones(0, 2, 2, dtype=torch.bool), seq_len_q=64, block_size=32
+            ),
+            ValueError,
+            r"empty batch or head dimension \(shape \[0, 2, 2\]\)",
+        ),
+        (
+            lambda: patterns.from_dense_mask(
+                torch.ones(2, 2, dtype=torch.bool), seq_len_q=64, seq_len_kv=0, block_size=32
+            ),
+            ValueError,
+            "seq_len_kv must be a positive int, got 0",
+        ),
     ],
 )
 def test_builder_argument_errors(call, error, match):
@@ -221,9 +312,10 @@ def document_of(cu_seqlens):
 
 @pytest.mark.parametrize("cu_seqlens", DOCUMENTS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("block", [16, 64])
-def test_document_aware_builders(cu_seqlens, causal, block):
+@pytest.mark.parametrize("block, kv_block", [(16, 16), (64, 64), (64, 128), (128, 64), (16, 32)])
+def test_document_aware_builders(cu_seqlens, causal, block, kv_block):
     cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    blocks = dict(q_block=block, kv_block=kv_block)
     seq_len = cu_seqlens[-1]
     document, start = document_of(cu_seqlens)
     same = document[:, None] == document[None, :]
@@ -232,23 +324,43 @@ def test_document_aware_builders(cu_seqlens, causal, block):
 
     def check(layout, token_mask):
         layout._validate()
-        assert torch.equal(layout.to_dense(), blocks_of(token_mask, block))
+        assert (layout.q_block, layout.kv_block) == (block, kv_block)
+        assert torch.equal(layout.to_dense(), blocks_of(token_mask, block, kv_block))
 
-    check(patterns.documents(cu, block_size=block), same)
+    check(patterns.documents(cu, **blocks), same)
     if causal:
-        check(patterns.causal(seq_len, block_size=block, cu_seqlens=cu), same & (j <= i))
+        check(patterns.causal(seq_len, **blocks, cu_seqlens=cu), same & (j <= i))
     window = 40
     check(
-        patterns.sliding_window(seq_len, window, causal=causal, block_size=block, cu_seqlens=cu),
+        patterns.sliding_window(seq_len, window, causal=causal, **blocks, cu_seqlens=cu),
         same & window_tokens(seq_len, window, causal),
     )
     sinks = same & (j - start[None, :] < 20) & order
     if not causal:
         sinks |= same & (i - start[:, None] < 20)
-    check(
-        patterns.global_tokens(seq_len, 20, causal=causal, block_size=block, cu_seqlens=cu),
-        sinks,
-    )
+    check(patterns.global_tokens(seq_len, 20, causal=causal, **blocks, cu_seqlens=cu), sinks)
+
+
+@pytest.mark.parametrize(
+    "seq_len, q_block, kv_block", [(300, 64, 128), (200, 16, 64), (77, 32, 32)]
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_causal_documents_keep_what_msa_keeps(seq_len, q_block, kv_block, seed):
+    """MSA's rule for q_block <= kv_block (a query block lies in its diagonal kv block):
+    keep c <= d(b) when the document of c's last key is that of b's first query, or c is
+    d(b). It is the causal layout over the documents."""
+    generator = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, seq_len, (5,), generator=generator).sort().values.tolist()
+    cu = torch.tensor([0, *cuts, seq_len], dtype=torch.int32)
+    document, _ = document_of(cu.tolist())
+    rows = torch.arange(-(-seq_len // q_block))[:, None]
+    cols = torch.arange(-(-seq_len // kv_block))[None, :]
+    diagonal = ((rows + 1) * q_block).clamp(max=seq_len).sub(1) // kv_block
+    last_key = ((cols + 1) * kv_block).clamp(max=seq_len) - 1
+    same = document[last_key] == document[rows * q_block]
+    kept = (cols <= diagonal) & (same | (cols == diagonal))
+    layout = patterns.causal(seq_len, q_block=q_block, kv_block=kv_block, cu_seqlens=cu)
+    assert torch.equal(layout.to_dense()[0], kept)
 
 
 def test_cu_seqlens_errors():
