@@ -1,204 +1,174 @@
-"""flash-msa against FlexAttention and dense SDPA (cuDNN, flash), side by side on one GPU.
+"""flash-msa against FlashAttention-4, FlexAttention and dense SDPA, side by side on one GPU.
 
     python benchmarks/bench_attention.py [--cases causal-32k,window-1m] [--out DIR]
 
-bf16, batch 1, head dim 128, block 128, causal. Each case builds one layout; flash-msa
-runs it, FlexAttention runs the identical blocks (BlockMask.from_kv_blocks, diagonal
-blocks partial with a causal mask_mod, the rest full), and SDPA runs dense causal
-attention where it fits. Writes DIR/attention.json, attention.md and attention.png
-(DIR defaults to benchmarks/results/<gpu>/), keeping the records of cases this run leaves
-out.
+bf16, batch 1, head dim 128, block 128, causal (common.CASES, common.VARLEN_CASES). Each
+case builds one layout; flash-msa runs it; FlexAttention (Triton kernels, compiled with
+dynamic=False) and FlashAttention-4 (FlexAttention's FLASH backend) run the identical blocks
+as one BlockMask (common.flex_block_mask: diagonal blocks partial, the rest full). Cases
+whose dense attention fits add dense causal FlashAttention-4 (flash_attn.cute) and SDPA
+(cuDNN, flash). FlashAttention-4 runs where flash_attn.cute imports. A peer that fails on
+a case is recorded with its error and the run goes on. Writes DIR/attention.json, .md and
+.png (DIR defaults to benchmarks/results/<gpu>/), keeping the records of cases this run
+leaves out.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
 import itertools
-import json
-import pathlib
+import operator
 
 import torch
-import triton
-from gpu_run import kept_records, results_dir, run_metadata
+from common import (
+    CASES,
+    HEAD_DIM,
+    VARLEN_CASES,
+    compiled_flex,
+    failed_cell,
+    failure,
+    flex_block_mask,
+    free_memory,
+    kept_records,
+    markdown_table,
+    random_inputs,
+    relative_difference,
+    results_dir,
+    run_metadata,
+    timed,
+    wall_ms,
+    write_chart,
+    write_report,
+)
 
 from flash_msa import block_sparse_attn_func, block_sparse_attn_varlen_func, patterns
-from flash_msa.layout import BlockLayout
 from flash_msa.sequences import document_ids_of
 
-K, M = 1024, 1024 * 1024
-HEAD_DIM = 128
-
-
-def topk_layout(seq_len: int, device) -> BlockLayout:
-    """16 blocks per row: its own, the previous one, and 14 random earlier blocks."""
-    blocks = seq_len // 128
-    generator = torch.Generator(device=device).manual_seed(0)
-    scores = torch.rand(blocks, blocks, device=device, generator=generator)
-    rows = torch.arange(1, blocks, device=device)
-    scores[rows, rows - 1] = 2.0  # above every random score: always kept
-    return patterns.topk(scores, 16, seq_len_q=seq_len)
-
-
-def window_layout(seq_len: int, device) -> BlockLayout:
-    """Sliding window of 4096 tokens + 128 sink tokens, causal."""
-    return patterns.sliding_window(seq_len, 4096, device=device) | patterns.global_tokens(
-        seq_len, 128, device=device
-    )
-
-
-# name -> document lengths (packed back to back, causal within each)
-VARLEN_CASES = {
-    "varlen-1x128k": [128 * K],
-    "varlen-16x8k": [8 * K] * 16,
-    "varlen-skewed-128k": [64 * K, 32 * K, 16 * K, 8 * K, 4 * K, 2 * K, K, K],
+# impl -> what it is, in the reports
+IMPLS = {
+    "flash_msa": "flash-msa",
+    "flex": "FlexAttention (Triton), same blocks",
+    "fa4_block_sparse": "FlashAttention-4 (FlexAttention FLASH backend), same blocks",
+    "fa4_dense": "FlashAttention-4 dense causal",
+    "sdpa_cudnn": "SDPA cuDNN dense causal",
+    "sdpa_flash": "SDPA flash (FlashAttention-2) dense causal",
 }
-
-# name -> (seq_len, heads_q, heads_kv, layout builder, dense sdpa too)
-CASES = {
-    "causal-32k": (32 * K, 16, 16, lambda s, d: patterns.causal(s, device=d), True),
-    "causal-128k": (128 * K, 16, 16, lambda s, d: patterns.causal(s, device=d), True),
-    "window-128k": (128 * K, 16, 16, window_layout, True),
-    "window-1m": (M, 16, 16, window_layout, False),
-    "topk16-128k": (128 * K, 16, 16, topk_layout, True),
-    "topk16-1m": (M, 16, 16, topk_layout, False),
-    "topk16-gqa32x8-128k": (128 * K, 32, 8, topk_layout, False),
-    "topk16-gqa64x4-128k": (128 * K, 64, 4, topk_layout, False),
-}
+PEERS = [impl for impl in IMPLS if impl != "flash_msa"]
+DENSE_IMPLS = ("fa4_dense", "sdpa_cudnn", "sdpa_flash")  # timed once per shape
 
 
-def flex_block_mask(layout: BlockLayout, heads: int):
-    """The layout as a FlexAttention BlockMask: diagonal blocks partial (causal mask_mod),
-    the others full (no mask work), as FlexAttention's create_block_mask would split them."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    dense = layout.to_dense()[0]  # [nq, nk]
-    diagonal = torch.eye(*dense.shape, dtype=torch.bool, device=dense.device)
-
-    def csr_like(mask):  # counts [1, 1, nq], indices [1, 1, nq, nk] (active first, ascending)
-        counts = mask.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts[None, None], order[None, None]
-
-    def causal(batch, head, q_index, kv_index):
-        return q_index >= kv_index
-
-    partial_counts, partial_indices = csr_like(dense & diagonal)
-    full_counts, full_indices = csr_like(dense & ~diagonal)
-    return BlockMask.from_kv_blocks(
-        partial_counts, partial_indices, full_counts, full_indices, 128, causal
-    )
+def fa4_attention():
+    """flash_attn.cute.flash_attn_func, or None where FlashAttention-4 does not import."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as error:  # not installed, or its CUDA libraries missing
+        print(f"FlashAttention-4 left out ({failure(error)})")
+        return None
+    return flash_attn_func
 
 
-def measure(fn, grads_of) -> dict:
+def measure(fn, dout, leaves) -> dict:
     """Median forward and forward+backward ms, and peak memory of forward+backward."""
-    forward_ms = triton.testing.do_bench(lambda: fn(), warmup=100, rep=500, return_mode="median")
-
-    def step():
-        fn().backward(grads_of["dout"])
-
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    both_ms = triton.testing.do_bench(
-        step, warmup=100, rep=500, grad_to_none=grads_of["inputs"], return_mode="median"
-    )
-    return dict(
-        fwd_ms=forward_ms,
-        fwd_bwd_ms=both_ms,
-        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-    )
+    forward = timed(fn)
+    both = timed(lambda: fn().backward(dout), leaves)
+    return dict(fwd_ms=forward["ms"], fwd_bwd_ms=both["ms"], peak_gib=both["peak_gib"])
 
 
-def random_inputs(seq_len: int, heads_q: int, heads_kv: int, device):
-    """bf16 q [1, S, H_q, D], k, v [1, S, H_kv, D] (requiring grad) and dout, from a seed."""
-    generator = torch.Generator(device=device).manual_seed(1)
+def agreement(impls: dict) -> dict[str, dict]:
+    """impl -> its relative difference from flash_msa's output (block-sparse peers, on the
+    same inputs) or its error; computed before any timing, so that no output stays alive
+    while peak memory is measured."""
+    outcomes, reference = {}, None
+    for impl, (fn, _) in impls.items():
+        if impl in DENSE_IMPLS:
+            continue
+        try:
+            with torch.no_grad():
+                out = fn()
+            if impl == "flash_msa":
+                outcomes[impl], reference = {}, out
+            elif reference is not None:
+                outcomes[impl] = dict(rel_diff_vs_flash_msa=relative_difference(out, reference))
+        except Exception as error:  # a peer's failure is recorded, not fatal
+            outcomes[impl] = dict(error=failure(error))
+        out = None
+        free_memory()  # after the except block: its traceback no longer holds tensors
+    return outcomes
 
-    def randn(heads):
-        return torch.randn(1, seq_len, heads, HEAD_DIM, generator=generator, device=device,
-                           dtype=torch.bfloat16)  # fmt: skip
 
-    q, k, v = (randn(h).requires_grad_() for h in (heads_q, heads_kv, heads_kv))
-    return q, k, v, randn(heads_q)
-
-
-def time_impls(name, impls, inputs, shape, density, dense_timings) -> list[dict]:
-    """Time every implementation (name -> (fn returning [1, S, H_q, D], FLOPs)) on one case.
-    Dense SDPA does not depend on the layout: measured once per shape (dense_timings)."""
+def time_impls(case: dict, impls: dict, inputs, dense_timings: dict) -> list[dict]:
+    """Time every implementation (impl -> (fn returning [1, S, H_q, D], forward FLOPs)) on one
+    case (case: the fields every record starts with). Dense ones do not depend on the
+    layout: measured once per shape (dense_timings)."""
     q, k, v, dout = inputs
-    seq_len, heads_q, heads_kv = shape
-    grads_of = dict(dout=dout, inputs=[q, k, v])
-    with torch.no_grad():  # agreement of the sparse implementations on these inputs
-        ours, theirs = impls["flash_msa"][0]().float(), impls["flex"][0]().float()
-        agreement = float((ours - theirs).norm() / theirs.norm())
+    outcomes = agreement(impls)
     records = []
     for impl, (fn, flops) in impls.items():
-        gc.collect()
-        torch.cuda.empty_cache()
-        shape_key = (impl, *shape)
+        record = dict(case, impl=impl, **outcomes.get(impl, {}))
+        shape_key = (impl, case["seq_len"], case["heads_q"], case["heads_kv"])
         try:
-            if impl.startswith("sdpa") and shape_key in dense_timings:
+            if "error" in record:
+                timing = None
+            elif shape_key in dense_timings:
                 timing = dense_timings[shape_key]
             else:
-                timing = measure(fn, grads_of)
-        except torch.OutOfMemoryError:
-            print(f"{name:22s} {impl:10s} out of memory")
+                timing = measure(fn, dout, [q, k, v])
+        except Exception as error:  # a peer's failure is recorded, not fatal
+            timing, record["error"] = None, failure(error)
+        free_memory()
+        records.append(record)
+        if timing is None:
+            print(f"{case['case']:22s} {impl:16s} failed: {record['error']}", flush=True)
             continue
-        if impl.startswith("sdpa"):
+        if impl in DENSE_IMPLS:
             dense_timings[shape_key] = timing
-        record = dict(
-            case=name,
-            seq_len=seq_len,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            impl=impl,
-            density=density,
-            **{key: round(value, 4) for key, value in timing.items()},
+        record.update(
+            {key: round(value, 4) for key, value in timing.items()},
             fwd_tflops=round(flops / timing["fwd_ms"] / 1e9, 1),
             fwd_bwd_tflops=round(3.5 * flops / timing["fwd_bwd_ms"] / 1e9, 1),
-            rel_diff_vs_flex=agreement if impl == "flash_msa" else None,
         )
-        records.append(record)
         print(
-            f"{name:22s} {impl:10s} fwd {record['fwd_ms']:9.3f} ms {record['fwd_tflops']:6.1f} TF/s"
-            f"  fwd+bwd {record['fwd_bwd_ms']:9.3f} ms {record['fwd_bwd_tflops']:6.1f} TF/s"
-            f"  peak {record['peak_gib']:6.2f} GiB",
+            f"{case['case']:22s} {impl:16s} fwd {record['fwd_ms']:9.3f} ms "
+            f"{record['fwd_tflops']:6.1f} TF/s  fwd+bwd {record['fwd_bwd_ms']:9.3f} ms "
+            f"{record['fwd_bwd_tflops']:6.1f} TF/s  peak {record['peak_gib']:6.2f} GiB",
             flush=True,
         )
     return records
 
 
-def compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    torch._dynamo.reset()
-    return torch.compile(flex_attention, dynamic=False)
+def first(result):
+    """FlashAttention-4 returns out or (out, lse), depending on its version."""
+    return result[0] if isinstance(result, tuple) else result
 
 
-def run_case(name: str, device, dense_timings: dict) -> list[dict]:
-    """flash-msa, FlexAttention on the same blocks, and dense SDPA where it fits."""
+def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
+    """flash-msa, FlexAttention and FA4 on the same blocks, and dense peers where they fit."""
     seq_len, heads_q, heads_kv, build, dense = CASES[name]
-    layout = build(seq_len, device)
+    layout_ms, layout = wall_ms(lambda: build(seq_len, device), device, repeats=5)
     q, k, v, dout = inputs = random_inputs(seq_len, heads_q, heads_kv, device)
-    if name.startswith("causal"):
-        sparse_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q  # the anchors' count
-    else:
-        sparse_flops = layout.flops(HEAD_DIM) * heads_q
-    dense_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q
+    dense_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q  # the anchors' count
+    sparse_flops = dense_flops if name.startswith("causal") else layout.flops(HEAD_DIM) * heads_q
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex and SDPA take [B, H, S, D]
+    flex, block_mask = compiled_flex(), flex_block_mask(layout, heads_q)
+    gqa = heads_q != heads_kv
+
+    def flex_on_blocks(**kernel_options):
+        def attention():
+            options = kernel_options or None  # None: flex's default (Triton) kernels
+            out = flex(q_t, k_t, v_t, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+            return out.transpose(1, 2)
+
+        return attention
 
     impls = {
-        "flash_msa": (lambda: block_sparse_attn_func(q, k, v, layout, causal=True), sparse_flops)
+        "flash_msa": (lambda: block_sparse_attn_func(q, k, v, layout, causal=True), sparse_flops),
+        "flex": (flex_on_blocks(), sparse_flops),
     }
-    flex = compiled_flex()
-    block_mask = flex_block_mask(layout, heads_q)
-    q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
-    impls["flex"] = (
-        lambda: flex(
-            q_t, k_t, v_t, block_mask=block_mask, enable_gqa=heads_q != heads_kv
-        ).transpose(1, 2),
-        sparse_flops,
-    )
+    if fa4 is not None:
+        impls["fa4_block_sparse"] = (flex_on_blocks(BACKEND="FLASH"), sparse_flops)
+    if dense and fa4 is not None:
+        impls["fa4_dense"] = (lambda: first(fa4(q, k, v, causal=True)), dense_flops)
     if dense:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
@@ -210,22 +180,24 @@ def run_case(name: str, device, dense_timings: dict) -> list[dict]:
 
             def sdpa(backend=backend):
                 with sdpa_kernel(backend):
-                    return scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True).transpose(
-                        1, 2
-                    )
+                    out = scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True)
+                return out.transpose(1, 2)
 
             impls[impl] = (sdpa, dense_flops)
-    shape = (seq_len, heads_q, heads_kv)
-    return time_impls(name, impls, inputs, shape, layout.density, dense_timings)
+    case = dict(case=name, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv)
+    case.update(density=layout.density, layout_ms=round(layout_ms, 3))
+    return time_impls(case, impls, inputs, dense_timings)
 
 
-def run_varlen_case(name: str, device, dense_timings: dict) -> list[dict]:
-    """Packed causal documents: flash-msa's varlen call, FlexAttention with a document
+def run_varlen_case(name: str, device, fa4) -> list[dict]:
+    """Packed causal documents: flash-msa's varlen call, FlexAttention and FA4 with a document
     mask, and FlashAttention-2's varlen kernel (torch.nn.attention.varlen), H = 16."""
     lengths, heads = VARLEN_CASES[name], 16
     total, longest = sum(lengths), max(lengths)
     bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-    layout = patterns.causal(total, device=device, cu_seqlens=bounds)
+    layout_ms, layout = wall_ms(
+        lambda: patterns.causal(total, device=device, cu_seqlens=bounds), device, repeats=5
+    )
     q, k, v, dout = inputs = random_inputs(total, heads, heads, device)
     flops = sum(4 * HEAD_DIM * length * length / 2 for length in lengths) * heads
     impls = {
@@ -243,11 +215,22 @@ def run_varlen_case(name: str, device, dense_timings: dict) -> list[dict]:
     def causal_documents(batch, head, q_index, kv_index):
         return (documents[q_index] == documents[kv_index]) & (q_index >= kv_index)
 
-    block_mask = create_block_mask(causal_documents, 1, 1, total, total, device=device,
-                                   _compile=True)  # fmt: skip
+    block_mask = create_block_mask(
+        causal_documents, 1, 1, total, total, device=device, _compile=True
+    )
     flex = compiled_flex()
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))
-    impls["flex"] = (lambda: flex(q_t, k_t, v_t, block_mask=block_mask).transpose(1, 2), flops)
+
+    def flex_on_documents(**kernel_options):
+        def attention():
+            out = flex(q_t, k_t, v_t, block_mask=block_mask, kernel_options=kernel_options or None)
+            return out.transpose(1, 2)
+
+        return attention
+
+    impls["flex"] = (flex_on_documents(), flops)
+    if fa4 is not None:
+        impls["fa4_block_sparse"] = (flex_on_documents(BACKEND="FLASH"), flops)
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -259,79 +242,119 @@ def run_varlen_case(name: str, device, dense_timings: dict) -> list[dict]:
             lambda: varlen_attn(q[0], k[0], v[0], bounds, bounds, longest, longest, **causal)[None],
             flops,
         )
-    return time_impls(name, impls, inputs, (total, heads, heads), layout.density, {})
+    case = dict(case=name, seq_len=total, heads_q=heads, heads_kv=heads)
+    case.update(density=layout.density, layout_ms=round(layout_ms, 3))
+    return time_impls(case, impls, inputs, {})
 
 
-def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> None:
-    (out_dir / "attention.json").write_text(json.dumps(records, indent=1))
+def ratio(peer: dict | None, ours: dict, key: str) -> str:
+    """peer ms / flash_msa ms ("-" where either is missing or failed)."""
+    if peer is None or key not in peer or key not in ours:
+        return "-"
+    return f"{peer[key] / ours[key]:.2f}x"
+
+
+def timing_cells(record: dict) -> list:
+    if "error" in record:
+        return [failed_cell(record), "-", "-", "-", "-"]
+    return [
+        f"{record['fwd_ms']:.3f}",
+        f"{record['fwd_bwd_ms']:.3f}",
+        record["fwd_tflops"],
+        record["fwd_bwd_tflops"],
+        f"{record['peak_gib']:.2f}",
+    ]
+
+
+def speedup_cells(impls: dict[str, dict]) -> list[str]:
+    """flash-msa's speed-up over each peer, forward / forward+backward."""
+    ours = impls["flash_msa"]
+    return [
+        f"{ratio(impls.get(peer), ours, 'fwd_ms')} / {ratio(impls.get(peer), ours, 'fwd_bwd_ms')}"
+        for peer in PEERS
+    ]
+
+
+def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     by_case: dict[str, dict] = {}
     for record in records:
         by_case.setdefault(record["case"], {})[record["impl"]] = record
-    lines = [
-        "# Block-sparse attention, side by side",
-        "",
-        f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}. "
-        "bf16, B=1, D=128, block 128, causal; medians of do_bench. TFLOP/s over the "
-        "computed pairs (active blocks; dense causal: half the square). Each row's date is in "
-        "attention.json.",
-        "",
-        "| case | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB | "
-        "fwd+bwd speed-up vs flex |",
-        "|---|---|---|---|---|---|---|---|",
+    columns = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "peak GiB"]
+    timings = [(r, [r["case"], r["impl"], *timing_cells(r)]) for r in records]
+    speedups = [
+        (impls["flash_msa"], [case, *speedup_cells(impls)])
+        for case, impls in by_case.items()
+        if "flash_msa" in impls
     ]
-    for case, impls in by_case.items():
-        flex = impls.get("flex")
-        for impl, r in impls.items():
-            ratio = f"{flex['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if flex else "-"
-            lines.append(
-                f"| {case} | {impl} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
-                f"{r['fwd_tflops']} | {r['fwd_bwd_tflops']} | {r['peak_gib']:.2f} | {ratio} |"
-            )
-    (out_dir / "attention.md").write_text("\n".join(lines) + "\n")
+    body = [
+        "## Times",
+        "",
+        *markdown_table(columns, timings),
+        "",
+        "## flash-msa's speed-up over each peer",
+        "",
+        "Peer ms / flash_msa ms, forward / forward+backward: above 1.00x flash-msa is faster.",
+        "",
+        *markdown_table(["case", *(f"vs {peer}" for peer in PEERS)], speedups),
+        "",
+        "Impls: " + "; ".join(f"{impl}: {text}" for impl, text in IMPLS.items()) + ".",
+    ]
+    write_report(
+        out_dir,
+        "attention",
+        records,
+        meta=meta,
+        title="Block-sparse attention, side by side",
+        notes="bf16, B=1, D=128, block 128, causal; medians of do_bench. TFLOP/s over the "
+        "computed pairs (active blocks; dense causal: half the square), 3.5x the forward's "
+        "for forward+backward. layout_ms (in the JSON): building flash-msa's layout.",
+        body=body,
+    )
+    cases = [case for case, impls in by_case.items() if "fwd_ms" in impls.get("flex", {})]
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    impls = ["flash_msa", "flex", "sdpa_cudnn", "sdpa_flash"]
-    cases = [case for case in by_case if "flex" in by_case[case]]
-    figure, axes = plt.subplots(1, 2, figsize=(max(10, 2.4 * len(cases)), 4.5), sharey=True)
-    width = 0.2
-    for axis, key, title in zip(axes, ("fwd_ms", "fwd_bwd_ms"), ("forward", "forward + backward"),
-                                strict=True):  # fmt: skip
-        for index, impl in enumerate(impls):
-            speedups = [
-                by_case[c]["flex"][key] / by_case[c][impl][key] if impl in by_case[c] else 0
-                for c in cases
+    def over_flex(key: str) -> dict[str, list[float]]:  # impl -> flex ms / impl ms per case
+        return {
+            impl: [
+                by_case[case]["flex"][key] / by_case[case][impl][key]
+                if key in by_case[case].get(impl, {})
+                else 0
+                for case in cases
             ]
-            axis.bar([x + index * width for x in range(len(cases))], speedups, width, label=impl)
-        axis.axhline(1.25, color="black", linestyle="--", linewidth=1)
-        axis.set_xticks([x + 1.5 * width for x in range(len(cases))], cases, rotation=30,
-                        ha="right")  # fmt: skip
-        axis.set_title(title)
-    axes[0].set_ylabel("speed-up over FlexAttention (dashed: 1.25x)")
-    axes[0].legend()
-    figure.suptitle(f"{meta['device']}, bf16, D=128, block 128, causal")
-    figure.savefig(out_dir / "attention.png", dpi=110, bbox_inches="tight")
-    plt.close(figure)
+            for impl in IMPLS
+            if any(impl in by_case[case] for case in cases)
+        }
+
+    write_chart(
+        out_dir / "attention.png",
+        cases,
+        {"forward": over_flex("fwd_ms"), "forward + backward": over_flex("fwd_bwd_ms")},
+        ylabel="speed-up over FlexAttention (dashed: 1.25x)",
+        title=f"{meta['device']}, bf16, D=128, block 128, causal",
+        reference=1.25,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", default=",".join([*CASES, *VARLEN_CASES]))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     meta = run_metadata(device)
-    out_dir = results_dir(args.out, meta)
+    out_dir = results_dir(args.out, device)
     names = args.cases.split(",")
-    records, dense_timings = kept_records(out_dir / "attention.json", "case", names), {}
+    records = kept_records(out_dir / "attention.json", operator.itemgetter("case"), names)
     order = {name: index for index, name in enumerate([*CASES, *VARLEN_CASES])}
+    fa4, dense_timings = fa4_attention(), {}
     for name in names:
-        run = run_varlen_case if name in VARLEN_CASES else run_case
-        records += [{**record, **meta} for record in run(name, device, dense_timings)]
-        records.sort(key=lambda record: order[record["case"]])
+        if name in VARLEN_CASES:
+            measured = run_varlen_case(name, device, fa4)
+        else:
+            measured = run_case(name, device, dense_timings, fa4)
+        records += [{**record, **meta} for record in measured]
+        records.sort(key=lambda record: order.get(record["case"], len(order)))
         write_reports(records, meta, out_dir)  # partial results survive a timeout
     print(f"wrote {out_dir}/attention.json, attention.md, attention.png")
 

@@ -6,12 +6,13 @@ FlexAttention on the same selected blocks, on one GPU.
 bf16, B=1, H_q=64, H_kv=4, D=128; proxy H_p=4, H_pk=1, D_p=128; top_k 16, q_block 64,
 kv_block 128; causal. Per length, msa_func forward + backward (out.backward(dout) and
 kl_loss.backward() in one pass) is timed whole and in parts: selection (block_scores +
-select_blocks), main attention (block_sparse_attn_func over msa_func's layout, forward +
+patterns.topk), main attention (block_sparse_attn_func over msa_func's layout, forward +
 backward) and KL (the total minus those two: the KL loss forward + backward and the glue;
 the KL kernels alone, given the main lse, are timed too).
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
-BlockMask with per-head kv indices [1, H_q, nq, nk]; it is skipped where those do not fit.
+BlockMask with per-head kv indices [1, H_q, nq, nk] (common.flex_block_mask); where it fails
+(at 1M those indices do not fit) the record keeps its error.
 Writes DIR/msa.json and msa.md after each length (DIR defaults to benchmarks/results/<gpu>/),
 keeping the records of lengths this run leaves out.
 """
@@ -20,82 +21,47 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import json
-import pathlib
+import operator
 import time
 from unittest import mock
 
 import torch
-import triton
-from bench_attention import compiled_flex
-from gpu_run import kept_records, results_dir, run_metadata
+from common import (
+    HEAD_DIM,
+    K,
+    compiled_flex,
+    failed_cell,
+    failure,
+    flex_block_mask,
+    free_memory,
+    kept_records,
+    markdown_table,
+    parse_length,
+    random_tensors,
+    relative_difference,
+    results_dir,
+    run_metadata,
+    timed,
+    write_report,
+)
 
-from flash_msa import block_sparse_attn_func
+from flash_msa import block_sparse_attn_func, patterns
 from flash_msa.layout import BlockLayout
-from flash_msa.msa import block_scores, msa_func, proxy_kl_loss, select_blocks
+from flash_msa.msa import block_scores, msa_func, proxy_kl_loss
 
-K, M = 1024, 1024 * 1024
 HEADS_Q, HEADS_KV, HEADS_PROXY, HEADS_PROXY_KEYS = 64, 4, 4, 1
-HEAD_DIM = PROXY_HEAD_DIM = 128
+PROXY_HEAD_DIM = HEAD_DIM
 TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128
 MSA_OPTIONS = dict(top_k=TOP_K, q_block=Q_BLOCK, kv_block=KV_BLOCK)
 DENSE_MEASURED_UP_TO = 128 * K
 
 
-def parse_length(text: str) -> int:
-    """'32k' -> 32768, '1m' -> 1048576, '5000' -> 5000."""
-    text = text.strip().lower()
-    units = {"k": K, "m": M}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
 def random_inputs(seq_len: int, device) -> dict[str, torch.Tensor]:
     """bf16 q_proxy, k_proxy, q, k, v (requiring grad) and dout, [1, S, H, D] each, seeded."""
-    generator = torch.Generator(device=device).manual_seed(1)
-    shapes = dict(
-        q_proxy=(HEADS_PROXY, PROXY_HEAD_DIM),
-        k_proxy=(HEADS_PROXY_KEYS, PROXY_HEAD_DIM),
-        q=(HEADS_Q, HEAD_DIM),
-        k=(HEADS_KV, HEAD_DIM),
-        v=(HEADS_KV, HEAD_DIM),
-        dout=(HEADS_Q, HEAD_DIM),
-    )
-    tensors = {
-        name: torch.randn(
-            1, seq_len, heads, dim, generator=generator, device=device, dtype=torch.bfloat16
-        )
-        for name, (heads, dim) in shapes.items()
-    }
-    for name in ("q_proxy", "k_proxy", "q", "k", "v"):
-        tensors[name].requires_grad_()
-    return tensors
-
-
-def timed(step, grad_to_none=None) -> dict:
-    """Median ms of step (do_bench) and the peak memory of one run of it."""
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = triton.testing.do_bench(
-        step, warmup=100, rep=500, grad_to_none=grad_to_none, return_mode="median"
-    )
-    return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def relative_difference(actual: torch.Tensor, expected: torch.Tensor, chunk: int = 64 * K):
-    """||actual - expected|| / ||expected|| over [B, S, ...], in fp32 a chunk of S at a time."""
-    error = norm = 0.0
-    for start in range(0, expected.shape[1], chunk):
-        a, e = (t[:, start : start + chunk].float() for t in (actual, expected))
-        error += float((a - e).square().sum())
-        norm += float(e.square().sum())
-    return (error / norm) ** 0.5
+    heads = dict(q_proxy=HEADS_PROXY, k_proxy=HEADS_PROXY_KEYS, q=HEADS_Q, k=HEADS_KV)
+    heads.update(v=HEADS_KV, dout=HEADS_Q)
+    grads = ("q_proxy", "k_proxy", "q", "k", "v")
+    return random_tensors(seq_len, heads, device=device, requires_grad=grads)
 
 
 def run_msa(seq_len: int, inputs: dict) -> tuple[dict, BlockLayout]:
@@ -112,7 +78,14 @@ def run_msa(seq_len: int, inputs: dict) -> tuple[dict, BlockLayout]:
         return block_scores(q_proxy, k_proxy, q_block=Q_BLOCK, kv_block=KV_BLOCK)
 
     def selection():
-        return select_blocks(scores(), TOP_K, seq_len=seq_len, q_block=Q_BLOCK, kv_block=KV_BLOCK)
+        return patterns.topk(
+            scores(),
+            TOP_K,
+            seq_len_q=seq_len,
+            q_block=Q_BLOCK,
+            kv_block=KV_BLOCK,
+            fixed_counts=True,
+        )
 
     total = timed(step, leaves)
     with torch.no_grad():
@@ -213,45 +186,6 @@ def run_dense(seq_len: int, device, measured: dict) -> dict:
     return record
 
 
-def flex_block_mask(layout: BlockLayout, heads_q: int):
-    """The layout as a FlexAttention BlockMask of (q_block, kv_block) tiles with kv indices per
-    query head, [B, H_q, nq, nk]; query head h reads layout head h // (H_q / layout_heads).
-    A row's last block is its diagonal (selection keeps it, and rows list blocks ascending):
-    partial, with a causal mask_mod; the others are full (no mask work)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    device, nnz = layout.device, layout.nnz
-    num_rows = layout.num_layouts * layout.num_q_blocks
-    rows = layout.entry_rows()  # [nnz], flat row of each entry
-    counts = layout.row_counts()  # [L * nq]
-    slots = torch.arange(nnz, device=device) - layout.row_offsets[:, :-1].flatten().long()[rows]
-    diagonal = slots == counts[rows] - 1  # [nnz]
-    columns = layout.col_indices
-    # Entries past a row's count are never read: zeros keep them in range.
-    full_indices = torch.zeros(num_rows, layout.num_kv_blocks, dtype=torch.int32, device=device)
-    full_indices[rows[~diagonal], slots[~diagonal]] = columns[~diagonal]
-    partial_indices = torch.zeros_like(full_indices)
-    partial_indices[rows[diagonal], 0] = columns[diagonal]
-
-    def per_head(tensor):  # [L * nq, ...] -> [B, H_q, nq, ...]
-        tensor = tensor.view(layout.layout_batch, layout.layout_heads, layout.num_q_blocks,
-                             *tensor.shape[1:])  # fmt: skip
-        return tensor.repeat_interleave(heads_q // layout.layout_heads, dim=1)
-
-    def causal(batch, head, q_index, kv_index):
-        return q_index >= kv_index
-
-    return BlockMask.from_kv_blocks(
-        per_head(torch.ones_like(counts, dtype=torch.int32)),
-        per_head(partial_indices),
-        per_head((counts - 1).int()),
-        per_head(full_indices),
-        BLOCK_SIZE=(layout.q_block, layout.kv_block),
-        mask_mod=causal,
-        seq_lengths=(layout.seq_len_q, layout.seq_len_kv),
-    )
-
-
 def flex_tiles_dividing_blocks():
     """A context in which Inductor compiles flex with tiles whose query rows divide the 64-row
     blocks: forward 64 x 64, backward dK/dV 32 x 64 and dQ 64 x 32 (3 stages, 4 warps each),
@@ -298,17 +232,17 @@ def flex_fwd_bwd(inputs: dict, layout: BlockLayout) -> tuple[dict, float]:
 
 
 def run_flex(seq_len: int, inputs: dict, layout: BlockLayout, main_ms: float) -> dict:
-    """FlexAttention on flash_msa's layout; recorded as skipped, with the reason, when it fails
-    (at 1M its per-head block indices alone take 32 GiB each)."""
+    """FlexAttention on flash_msa's layout; recorded with its error when it fails (at 1M its
+    per-head block indices alone take 32 GiB each)."""
     record = dict(seq_len=seq_len, impl="flex")
     try:
         timing, difference = flex_fwd_bwd(inputs, layout)
     except Exception as error:  # the peer's failure (memory, compilation) is recorded, not fatal
-        timing, reason = None, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        timing, record["error"] = None, failure(error)
     free_memory()  # after the except block: its traceback no longer holds the tensors
     if timing is None:
-        print(f"S={seq_len:>8,} flex       skipped ({reason})", flush=True)
-        return {**record, "skipped": reason}
+        print(f"S={seq_len:>8,} flex       failed: {record['error']}", flush=True)
+        return record
     record.update(
         fwd_bwd_ms=round(timing["ms"], 4),
         rel_diff_vs_flash_msa=difference,
@@ -333,58 +267,72 @@ def run_length(seq_len: int, device, dense_measured: dict) -> list[dict]:
     return [msa, flex, dense]
 
 
-def write_reports(records: list[dict], meta: dict, out_dir: pathlib.Path) -> None:
-    (out_dir / "msa.json").write_text(json.dumps(records, indent=1))
+def msa_cells(impls: dict[str, dict]) -> list:
+    """One length's row: flash_msa's parts, flex on the same blocks, dense cuDNN."""
+    msa, flex, dense = impls["flash_msa"], impls.get("flex", {}), impls.get("sdpa_cudnn")
+    if "fwd_bwd_ms" in flex:
+        flex_ms = f"{flex['fwd_bwd_ms']:.3f}"
+        versus_flex = f"{flex['fwd_bwd_ms'] / msa['main_attention_ms']:.2f}x"
+    else:
+        flex_ms, versus_flex = failed_cell(flex) if "error" in flex else "-", "-"
+    if dense is None:
+        dense_ms = speedup = "-"
+    else:
+        dense_ms = f"{dense['fwd_bwd_ms']:,.1f}{'*' if dense['estimated'] else ''}"
+        speedup = f"{dense['fwd_bwd_ms'] / msa['fwd_bwd_ms']:.1f}x"
+    return [
+        f"{msa['seq_len']:,}",
+        f"{msa['fwd_bwd_ms']:.3f}",
+        f"{msa['selection_ms']:.3f}",
+        msa["block_scores_tflops"],
+        f"{msa['main_attention_ms']:.3f}",
+        msa["main_attention_tflops"],
+        f"{msa['kl_ms']:.3f}",
+        f"{msa['peak_gib']:.2f}",
+        flex_ms,
+        versus_flex,
+        dense_ms,
+        speedup,
+    ]
+
+
+def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     by_length: dict[int, dict] = {}
     for record in records:
         by_length.setdefault(record["seq_len"], {})[record["impl"]] = record
-    lines = [
-        "# MSA training step: selection, main attention, KL",
-        "",
-        f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}. "
-        f"bf16, B=1, H_q={HEADS_Q}, H_kv={HEADS_KV}, D={HEAD_DIM}; proxy H_p={HEADS_PROXY}, "
+    columns = ["S", "flash_msa ms", "selection ms", "block_scores TFLOP/s", "main attention ms",
+               "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
+               "main speed-up vs flex (flex ms / main ms)", "cuDNN dense ms",
+               "speed-up vs dense cuDNN (cuDNN ms / flash_msa ms)"]  # fmt: skip
+    rows = [(impls["flash_msa"], msa_cells(impls)) for impls in by_length.values()]
+    write_report(
+        out_dir,
+        "msa",
+        records,
+        meta=meta,
+        title="MSA training step: selection, main attention, KL",
+        notes=f"bf16, B=1, H_q={HEADS_Q}, H_kv={HEADS_KV}, D={HEAD_DIM}; proxy H_p={HEADS_PROXY}, "
         f"H_pk={HEADS_PROXY_KEYS}, D_p={PROXY_HEAD_DIM}; top_k {TOP_K}, q_block {Q_BLOCK}, "
         f"kv_block {KV_BLOCK}; causal. Forward + backward ms, medians of do_bench. KL = total "
         "minus selection and main attention. Flex runs the main attention only, on the same "
         "blocks, with tiles of 32 and 64 query rows. Dense figures marked * are estimated "
-        "from 128K (x (S / 128K)^2). Each row's date is in msa.json.",
-        "",
-        "| S | flash_msa ms | selection ms | block_scores TFLOP/s | main attention ms | "
-        "main TFLOP/s | KL ms | peak GiB | flex ms (main only) | main speed-up vs flex | "
-        "cuDNN dense ms | speed-up vs dense cuDNN |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for seq_len, impls in by_length.items():
-        msa, flex, dense = impls["flash_msa"], impls.get("flex", {}), impls.get("sdpa_cudnn")
-        if "fwd_bwd_ms" in flex:
-            flex_ms = f"{flex['fwd_bwd_ms']:.3f}"
-            versus_flex = f"{flex['fwd_bwd_ms'] / msa['main_attention_ms']:.2f}x"
-        else:
-            flex_ms = "failed (msa.json says why)" if "skipped" in flex else "-"
-            versus_flex = "-"
-        dense_ms = "-" if dense is None else (
-            f"{dense['fwd_bwd_ms']:,.1f}{'*' if dense['estimated'] else ''}"
-        )  # fmt: skip
-        speedup = "-" if dense is None else f"{dense['fwd_bwd_ms'] / msa['fwd_bwd_ms']:.1f}x"
-        lines.append(
-            f"| {seq_len:,} | {msa['fwd_bwd_ms']:.3f} | {msa['selection_ms']:.3f} | "
-            f"{msa['block_scores_tflops']} | {msa['main_attention_ms']:.3f} | "
-            f"{msa['main_attention_tflops']} | {msa['kl_ms']:.3f} | {msa['peak_gib']:.2f} | "
-            f"{flex_ms} | {versus_flex} | {dense_ms} | {speedup} |"
-        )
-    (out_dir / "msa.md").write_text("\n".join(lines) + "\n")
+        "from 128K (x (S / 128K)^2).",
+        body=markdown_table(columns, rows),
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq-lens", default="32k,128k,1m", help="e.g. 32k,128k,1m")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     meta = run_metadata(device)
-    out_dir = results_dir(args.out, meta)
+    out_dir = results_dir(args.out, device)
     seq_lens = sorted(parse_length(text) for text in args.seq_lens.split(","))
-    records = kept_records(out_dir / "msa.json", "seq_len", seq_lens)
+    records = kept_records(out_dir / "msa.json", operator.itemgetter("seq_len"), seq_lens)
     dense_measured = {}
     for seq_len in seq_lens:
         records += [{**record, **meta} for record in run_length(seq_len, device, dense_measured)]
