@@ -2,22 +2,17 @@
 
     python benchmarks/bench_layouts.py [--device cuda] [--seq-len 1048576] [--out DIR]
 
-Writes DIR/layouts.json and DIR/layouts.md (DIR defaults to benchmarks/results/<device>/).
+Writes DIR/layouts.json and DIR/layouts.md (DIR defaults to benchmarks/results/<gpu>/, or
+benchmarks/results/cpu/ on the CPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import pathlib
-import platform
-import statistics
-import time
 
 import torch
-import triton
+from common import markdown_table, results_dir, run_metadata, wall_ms, write_report
 
 from flash_msa import patterns
 
@@ -57,22 +52,37 @@ def builders(seq_len: int, device: torch.device) -> dict:
     }
 
 
-def time_ms(build, device: torch.device, repeats: int) -> tuple[float, object]:
-    layout = build()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        layout = build()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples), layout
+def write_reports(records: list[dict], meta: dict, out_dir) -> None:
+    rows = [
+        (
+            r,
+            [
+                r["builder"],
+                f"{r['ms']:.2f}",
+                f"{r['nnz']:,}",
+                f"{r['metadata_mib']:.2f}",
+                "yes" if r["ms"] < r["target_ms"] else "no",
+            ],
+        )
+        for r in records
+    ]
+    target = records[0]["target_ms"]
+    write_report(
+        out_dir,
+        "layouts",
+        records,
+        meta=meta,
+        title=f"Layout builders at {records[0]['seq_len']:,} tokens, block 128",
+        notes=f"Median synchronised wall time of {records[0]['repeats']} builds after one. "
+        f"Target: each under {target:g} ms.",
+        body=markdown_table(["builder", "ms", "nnz", "metadata MiB", "under target"], rows),
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-len", type=int, default=1 << 20)
     parser.add_argument("--repeats", type=int, default=None)
@@ -80,57 +90,26 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     repeats = args.repeats or (20 if device.type == "cuda" else 5)
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-        folder = device_name.split()[-1].lower()
-    else:
-        device_name = f"CPU ({platform.processor() or platform.machine()}, "
-        device_name += f"{torch.get_num_threads()} threads)"
-        folder = "cpu"
-    out_dir = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / folder)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
+    meta = run_metadata(device)
     records = []
     for name, build in builders(args.seq_len, device).items():
-        ms, layout = time_ms(build, device, repeats)
+        ms, layout = wall_ms(build, device, repeats)
         metadata = layout.row_offsets.numel() * 4 + layout.col_indices.numel() * 4
-        records.append(
-            dict(
-                builder=name,
-                seq_len=args.seq_len,
-                block=128,
-                ms=round(ms, 3),
-                nnz=layout.nnz,
-                layout_heads=layout.layout_heads,
-                metadata_mib=round(metadata / 2**20, 3),
-                target_ms=TARGET_MS[device.type],
-            )
+        record = dict(
+            builder=name,
+            seq_len=args.seq_len,
+            block=128,
+            ms=round(ms, 3),
+            nnz=layout.nnz,
+            layout_heads=layout.layout_heads,
+            metadata_mib=round(metadata / 2**20, 3),
+            target_ms=TARGET_MS[device.type],
+            repeats=repeats,
         )
+        records.append({**record, **meta})
         print(f"{name:34s} {ms:10.2f} ms  nnz {layout.nnz:>11,}  {metadata / 2**20:9.2f} MiB")
-    meta = dict(
-        device=device_name,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.date.today().isoformat(),
-        repeats=repeats,
-        statistic="median wall time, synchronised",
-    )
-    (out_dir / "layouts.json").write_text(json.dumps({**meta, "records": records}, indent=1))
-    lines = [
-        f"# Layout builders at {args.seq_len:,} tokens, block 128",
-        "",
-        f"{device_name}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; "
-        f"median of {repeats}. Target: each under {TARGET_MS[device.type]:g} ms.",
-        "",
-        "| builder | ms | nnz | metadata MiB | under target |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['builder']} | {r['ms']:.2f} | {r['nnz']:,} | {r['metadata_mib']:.2f} | "
-        f"{'yes' if r['ms'] < r['target_ms'] else 'no'} |"
-        for r in records
-    ]
-    (out_dir / "layouts.md").write_text("\n".join(lines) + "\n")
+    out_dir = results_dir(args.out, device)
+    write_reports(records, meta, out_dir)
     print(f"wrote {out_dir}/layouts.json and layouts.md")
 
 

@@ -326,8 +326,8 @@ def write_report(
     (out_dir / f"{name}.json").write_text(json.dumps(records, indent=1) + "\n")
     run = (
         f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; latest run "
-        f"{meta['date']} at commit {meta.get('commit', '-')}. {notes} Rows from earlier runs "
-        f"keep their figures; each row's date and source digest are in {name}.json."
+        f"{meta['date']} at commit {meta.get('commit', '-')}. {notes} Each row's commit is in "
+        f"its last column, its date and source digest in {name}.json."
     )
     (out_dir / f"{name}.md").write_text("\n".join([f"# {title}", "", run, "", *body]) + "\n")
 

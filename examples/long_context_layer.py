@@ -17,7 +17,7 @@ import torch
 
 from flash_msa import block_sparse_attn_func, patterns
 from flash_msa.layout import BlockLayout
-from flash_msa.testing import sampled_rows_reference
+from flash_msa.testing import relative_error, sampled_rows_reference
 
 HEAD_DIM, BLOCK = 128, 128
 
@@ -78,9 +78,6 @@ def run(
         torch.arange(r * BLOCK, min((r + 1) * BLOCK, seq_len), device=device) for r in rows
     ])  # fmt: skip
 
-    def error(got, want):
-        return float((got.float() - want).norm() / want.norm())
-
     metadata = 4 * (layout.row_offsets.numel() + layout.col_indices.numel()) * 2  # CSR + CSC
     return dict(
         seq_len=seq_len,
@@ -93,8 +90,8 @@ def run(
         peak_gib=peak / 2**30,
         bare_gib=bare_bytes(seq_len, heads_q, heads_kv) / 2**30,
         metadata_mib=metadata / 2**20,
-        out_error=error(out[0, positions], expected_out),
-        dq_error=error(q.grad[0, positions], expected_dq),
+        out_error=relative_error(out[0, positions], expected_out),
+        dq_error=relative_error(q.grad[0, positions], expected_dq),
     )
 
 
