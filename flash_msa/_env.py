@@ -36,6 +36,22 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+HOPPER_SHARED_MEMORY = 232_448  # bytes a block may opt into on sm_90 (H100, H200)
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (Hopper's on any other
+    device, where kernels run interpreted or are only compiled)."""
+    if device.type != "cuda":
+        return HOPPER_SHARED_MEMORY
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def can_run_triton(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())

@@ -1,8 +1,13 @@
-"""Shared test helpers: random inputs, output poisoning, error measures."""
+"""Shared test helpers: random inputs, output poisoning, error measures, sm_90 compiles."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+
 import torch
+import triton
 
 
 def random_qkv(
@@ -79,3 +84,43 @@ def sampled_rows_reference(q, k, v, layout, rows, grad_out, softmax_scale=None):
         outs.append(out.detach())
         grads.append(q_rows.grad)
     return torch.cat(outs), torch.cat(grads)
+
+
+# ---- GPU code generation without a GPU ------------------------------------------------------
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_for_sm90(
+    kernel, constexprs: dict, types: dict[str, str], num_warps: int, num_stages: int, workdir: str
+) -> dict:
+    """Compile a @triton.jit kernel for sm_90 (Hopper) on any machine, and read what Triton
+    and the ptxas it bundles report: {"shared": bytes of shared memory, "registers",
+    "spills": bytes of spill stores, "wgmma": whether it uses Hopper's tensor cores}.
+
+    constexprs: the kernel's constexpr values; types: Triton types of the other arguments
+    ("*bf16", "*fp32", "fp32", ...; "i32" where absent). Needs a process in which the
+    kernel was decorated without TRITON_INTERPRET=1 (e.g. a subprocess)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
+        for arg in kernel.arg_names
+    }
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )  # fmt: skip
+    ptx = os.path.join(workdir, f"{kernel.__name__}.ptx")
+    with open(ptx, "w") as handle:
+        handle.write(compiled.asm["ptx"])
+    report = subprocess.run(
+        [PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    return dict(
+        shared=compiled.metadata.shared,
+        registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+        spills=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        wgmma="wgmma" in compiled.asm["ptx"],
+    )

@@ -1,14 +1,19 @@
-"""The block-sparse op in plain PyTorch: gather each row's active K/V blocks, mask, softmax.
+"""The "torch" backend: gather each row's active K/V blocks, mask, softmax, in plain PyTorch.
 
-Differentiable by autograd, any device, memory bounded by a chunk of query blocks
-(never S x S). The CPU backend, and the reference where the dense one cannot run.
+Any device and dtype (float64 for ground truth), memory bounded by a chunk of query blocks
+(never S x S). Scores, softmax and the weighted sum are computed in fp32 (fp64 for fp64
+inputs), as the kernels do. The backward recomputes the forward under autograd. Dropout
+draws its own bits from a generator seeded by the call's seed (a different stream from the
+Triton kernels' Philox bits, but the same for the forward and its backward). Not bitwise
+reproducible on every device (CPU reductions may reorder between runs): the kernels are.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa.ops.registry import Backend
 from flash_msa.reference import visible
 
 SCORE_BUDGET = 1 << 24  # score elements per chunk of query blocks (64 MiB in fp32)
@@ -25,23 +30,23 @@ def layout_slices(layout: BlockLayout, heads_q: int):
 
 
 def _row_attention(
-    q, k, v, layout, index, rows, *, causal, window_size, scale, documents=None, dropout_p=0.0
-):
-    """Attention of query blocks `rows` (int64 [R]) of layout `index`.
+    q, k, v, layout, index, rows, width, *, causal, window_size, scale, documents, dropout_p,
+    generator,
+):  # fmt: skip
+    """Attention of query blocks `rows` (int64 [R]) of layout `index`, each padded to `width`
+    kv blocks.
 
     q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head);
-    documents: int [b, S] document ids (keys of another document are not seen) or None;
-    dropout_p: probabilities dropped with PyTorch's generator (a different stream from the
-    Triton kernels' Philox bits), the kept ones scaled by 1 / (1 - dropout_p).
+    documents: int [b, S] document ids (keys of another document are not seen) or None.
     Returns out [b, R * q_block, h, D] and lse [b, h, R * q_block] (padded tail included).
     """
     offsets = layout.row_offsets[index].long()
     starts, counts = offsets[rows], offsets[rows + 1] - offsets[rows]  # [R]
-    width = max(int(counts.max()), 1)
     slot = torch.arange(width, device=q.device)
     active = slot[None, :] < counts[:, None]  # [R, m]
     entry = (starts[:, None] + slot[None, :]).clamp(max=max(layout.nnz - 1, 0))
-    cols = torch.where(active, layout.col_indices[entry].long(), 0)  # [R, m]
+    padded_cols = layout.col_indices if layout.nnz else layout.col_indices.new_zeros(1)
+    cols = torch.where(active, padded_cols[entry].long(), 0)  # [R, m]
 
     within_kv = torch.arange(layout.kv_block, device=q.device)
     k_pos = (cols[:, :, None] * layout.kv_block + within_kv).flatten(1)  # [R, m * kv_block]
@@ -50,10 +55,10 @@ def _row_attention(
     q_pos = rows[:, None] * layout.q_block + torch.arange(layout.q_block, device=q.device)
     q_pos = q_pos.clamp(max=layout.seq_len_q - 1)  # [R, q_block]; padded rows are cut later
 
-    q_rows = q[:, q_pos]  # [b, R, q_block, h, D]
-    k_rows, v_rows = k[:, k_pos], v[:, k_pos]  # [b, R, m * kv_block, h, D]
     accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for ground truth
-    scores = torch.einsum("brihd,brjhd->bhrij", q_rows, k_rows).to(accumulate) * scale
+    q_rows = q[:, q_pos].to(accumulate)  # [b, R, q_block, h, D]
+    k_rows, v_rows = k[:, k_pos].to(accumulate), v[:, k_pos].to(accumulate)  # [b, R, m*kv, h, D]
+    scores = torch.einsum("brihd,brjhd->bhrij", q_rows, k_rows) * scale
     keep = k_ok[:, None, :] & visible(q_pos[:, :, None], k_pos[:, None, :], causal, window_size)
     keep = keep[None]  # [1 or b, R, q_block, m * kv_block]
     if documents is not None:
@@ -63,12 +68,13 @@ def _row_attention(
     finite_lse = torch.where(torch.isinf(lse), 0.0, lse)
     probs = torch.exp(scores - finite_lse[..., None])
     if dropout_p > 0:
-        probs = probs * (torch.rand_like(probs) >= dropout_p) / (1.0 - dropout_p)
-    out = torch.einsum("bhrij,brjhd->brihd", probs.to(v.dtype), v_rows)
+        uniform = torch.rand(probs.shape, generator=generator, device=q.device, dtype=probs.dtype)
+        probs = probs * (uniform >= dropout_p) / (1.0 - dropout_p)
+    out = torch.einsum("bhrij,brjhd->brihd", probs, v_rows)
     return out.flatten(1, 2), lse.flatten(2).float()
 
 
-def block_sparse_attention_torch(
+def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -79,41 +85,78 @@ def block_sparse_attention_torch(
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    dropout_seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] for validated inputs; document_ids
-    int [B, S] keeps attention within documents; dropout_p drops probabilities."""
+    """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] of validated inputs; differentiable
+    by autograd. document_ids int [B, S] keeps attention within documents."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
+    if q.numel() == 0 or layout.nnz == 0:
+        lse = torch.full((batch, heads_q, seq_len_q), float("-inf"), device=q.device)
+        return q.new_zeros(q.shape), lse
     kv_head_of = torch.arange(heads_q, device=q.device) // (heads_q // heads_kv)
-    out = q.new_zeros(q.shape)
-    lse = torch.full((batch, heads_q, seq_len_q), float("-inf"), device=q.device)
+    generator = torch.Generator(device=q.device).manual_seed(dropout_seed)
+    counts = layout.row_counts().view(layout.num_layouts, layout.num_q_blocks)
+    widths = counts.max(dim=1).values.clamp(min=1).tolist()  # one read of the layout
+    rows = torch.arange(layout.num_q_blocks, device=q.device)
+    outs, lses = [], []  # per layout: [b, S_q, h, D], [b, h, S_q]; assembled without writes
     for index, batches, heads in layout_slices(layout, heads_q):
         q_part = q[batches, :, heads]
         kv_heads = kv_head_of[heads]
         k_part, v_part = k[batches][:, :, kv_heads], v[batches][:, :, kv_heads]
-        counts = layout.row_counts()[
-            index * layout.num_q_blocks : (index + 1) * layout.num_q_blocks
-        ]
-        width = max(int(counts.max()), 1) if counts.numel() else 1
+        width = widths[index]
         per_row = q_part.shape[0] * q_part.shape[2] * layout.q_block * width * layout.kv_block
-        chunk = max(1, SCORE_BUDGET // per_row)
-        rows = torch.arange(layout.num_q_blocks, device=q.device)
         pieces = [
             _row_attention(
-                q_part,
-                k_part,
-                v_part,
-                layout,
-                index,
-                part,
-                causal=causal,
-                window_size=window_size,
-                scale=softmax_scale,
+                q_part, k_part, v_part, layout, index, part, width, causal=causal,
+                window_size=window_size, scale=softmax_scale,
                 documents=None if document_ids is None else document_ids[batches],
-                dropout_p=dropout_p,
-            )
-            for part in rows.split(chunk)
+                dropout_p=dropout_p, generator=generator,
+            )  # fmt: skip
+            for part in rows.split(max(1, SCORE_BUDGET // per_row))
         ]
-        out[batches, :, heads] = torch.cat([p[0] for p in pieces], 1)[:, :seq_len_q]
-        lse[batches, heads] = torch.cat([p[1] for p in pieces], 2)[..., :seq_len_q]
+        outs.append(torch.cat([p[0] for p in pieces], 1)[:, :seq_len_q].to(q.dtype))
+        lses.append(torch.cat([p[1] for p in pieces], 2)[..., :seq_len_q])
+    heads = layout.layout_heads  # layout index = layout batch * layout_heads + layout head
+    out = torch.cat(
+        [torch.cat(outs[b * heads : (b + 1) * heads], 2) for b in range(layout.layout_batch)], 0
+    )
+    lse = torch.cat(
+        [torch.cat(lses[b * heads : (b + 1) * heads], 1) for b in range(layout.layout_batch)], 0
+    )
     return out, lse
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: BlockLayout,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): the vector-Jacobian product of the recomputed forward (same dropout bits,
+    same seed). torch.func rather than autograd: this runs inside the custom op, below
+    autograd's dispatch."""
+
+    def attention(q, k, v):
+        return attention_forward(q, k, v, layout, **options)[0]
+
+    _, pullback = torch.func.vjp(attention, q, k, v)
+    return pullback(grad_out)
+
+
+BACKEND = Backend(
+    name="torch",
+    forward=attention_forward,
+    backward=attention_backward,
+    speed={"cpu": 0, "cuda": 0},
+    devices=("cpu", "cuda"),
+    dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    head_dims=lambda head_dim: head_dim >= 1,
+    head_dims_text=">= 1",
+    block_sizes=BLOCK_SIZES,
+    deterministic=False,  # CPU reductions may reorder between runs
+)

@@ -1,6 +1,36 @@
-"""Triton kernels of block-sparse attention (GPU, or CPU under TRITON_INTERPRET=1)."""
+"""The "triton" backend: portable Triton kernels (Ampere and newer; the CPU under
+TRITON_INTERPRET=1, for tests)."""
 
+import torch
+
+from flash_msa import _env
+from flash_msa.layout import BLOCK_SIZES
+from flash_msa.ops.registry import AttentionCall, Backend, Refusal
 from flash_msa.ops.triton.backward import attention_backward
 from flash_msa.ops.triton.forward import attention_forward
 
-__all__ = ["attention_backward", "attention_forward"]
+MAX_HEAD_DIM = 256
+
+
+def _check(call: AttentionCall) -> Refusal | None:
+    reason = _env.triton_refusal(call.device, call.dtype)
+    if reason is None:
+        return None
+    return Refusal(reason, TypeError if "bfloat16" in reason else ValueError)
+
+
+BACKEND = Backend(
+    name="triton",
+    forward=attention_forward,
+    backward=attention_backward,
+    speed={"cuda": 10},  # on the CPU the interpreter is for tests: by name only
+    devices=("cuda", "cpu"),
+    min_capability=None,
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    head_dims=lambda head_dim: 1 <= head_dim <= MAX_HEAD_DIM,  # padded to a power of two
+    head_dims_text=f"up to {MAX_HEAD_DIM}",
+    block_sizes=BLOCK_SIZES,
+    check=_check,
+)
+
+__all__ = ["BACKEND", "attention_backward", "attention_forward"]

@@ -19,252 +19,126 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa import _env
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton import configs
-from flash_msa.ops.triton.forward import (
+from flash_msa.ops.triton.common import (
     AUTOTUNE_KEY,
-    LOG2_E,
-    _documents_of,
-    _dropout_scale,
-    _load_tile,
-    _mask_scores,
-    _packed_rows,
-    _row_offsets,
-    _row_steps,
-    _step_first,
-    _store_rows,
-    _tile_source,
+    config_arguments,
     descriptor_scratch,
     document_arguments,
-    dot_precision,
-    head_dim_pad,
-    last_dim_contiguous,
+    documents_of,
+    dropout_scale,
+    element_offsets,
+    kv_step,
     layout_arguments,
+    load_query_tile,
+    load_tile,
+    log2_lse,
     mask_arguments,
+    mask_scores,
+    packed_rows,
     packing,
+    query_program,
+    resolve_tma,
+    row_steps,
+    step_first,
+    store_rows,
+    strides,
     tile_order,
-    use_tma,
+    tile_source,
 )
-
-LOG2_E_CONSTANT: tl.constexpr = tl.constexpr(LOG2_E)
-
-
-@triton.jit
-def _log2_lse(lse_base, lse_offsets, row_valid):
-    """lse in log2 units [R]; +inf for rows that saw nothing (and padding rows), so that
-    exp2(scores - lse) is 0 there instead of NaN."""
-    lse = tl.load(lse_base + lse_offsets, mask=row_valid, other=float("inf"))  # [R]
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E_CONSTANT)
 
 
 @triton.jit
 def _dq_kernel(
-    q,
-    k,
-    v,
-    out,
-    grad_out,
-    lse,
-    delta,
-    grad_q,
-    row_offsets,
-    col_indices,
-    tile_order,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dqb,
-    stride_dqs,
-    stride_dqh,
-    stride_lse_b,
-    stride_lse_h,
-    documents,
-    stride_documents_b,
-    dropout_p,
-    dropout_seed,
-    stride_layout,
-    seq_len_q,
-    seq_len_kv,
-    group,
-    layout_batch_stride,
-    layout_head_divisor,
-    qk_scale,
-    softmax_scale,
-    window_left,
-    window_right,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    Q_BLOCK: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    PACK: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    q, k, v, out, grad_out, lse, delta, grad_q, row_offsets, col_indices, tile_order, documents,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h, stride_out_b, stride_out_s, stride_out_h,
+    stride_grad_out_b, stride_grad_out_s, stride_grad_out_h,
+    stride_grad_q_b, stride_grad_q_s, stride_grad_q_h, stride_lse_b, stride_lse_h,
+    stride_documents_b, stride_layout,
+    dropout_p, dropout_seed, seq_len_q, seq_len_kv, group, layout_batch_stride,
+    layout_head_divisor, qk_scale, softmax_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B), tiles in tile_order; lse and
     delta are fp32 [B, H_q, S_q]."""
-    tile = tl.load(tile_order + tl.program_id(0))  # heavy rows first
-    first_head = tl.program_id(1) * PACK
-    batch = tl.program_id(2).to(tl.int64)
-    kv_head = first_head // group
-    query_first = tile * ROWS
+    batch, first_head, kv_head, query_first, positions, heads, row_valid = query_program(
+        tile_order, seq_len_q, group, ROWS, PACK
+    )  # positions, heads, row_valid: [BLOCK_M]
     query_last = query_first + ROWS - 1
-
-    positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M], [BLOCK_M]
-    row_valid = positions < seq_len_q  # [BLOCK_M]
     ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
-    q_source = _tile_source(q + batch * stride_qb, first_head, stride_qs, stride_qh, seq_len_q,
-                            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-    q_tile = _load_tile(q_source, query_first, positions, heads, row_valid, stride_qs, stride_qh,
-                        HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
-    o_source = _tile_source(out + batch * stride_ob, first_head, stride_os, stride_oh, seq_len_q,
-                            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-    o_tile = _load_tile(o_source, query_first, positions, heads, row_valid, stride_os, stride_oh,
-                        HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
-    do_source = _tile_source(grad_out + batch * stride_dob, first_head, stride_dos, stride_doh,
-                             seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-    do_tile = _load_tile(do_source, query_first, positions, heads, row_valid, stride_dos,
-                         stride_doh, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    q_tile = load_query_tile(q + batch * stride_q_b, first_head, query_first, positions, heads,
+                             row_valid, stride_q_s, stride_q_h, seq_len_q, HEAD_DIM, HEAD_DIM_PAD,
+                             ROWS, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
+    o_tile = load_query_tile(out + batch * stride_out_b, first_head, query_first, positions,
+                             heads, row_valid, stride_out_s, stride_out_h, seq_len_q, HEAD_DIM,
+                             HEAD_DIM_PAD, ROWS, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
+    do_tile = load_query_tile(grad_out + batch * stride_grad_out_b, first_head, query_first,
+                              positions, heads, row_valid, stride_grad_out_s, stride_grad_out_h,
+                              seq_len_q, HEAD_DIM, HEAD_DIM_PAD, ROWS,
+                              ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
     documents += batch * stride_documents_b
-    query_documents = _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
+    query_documents = documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
 
     lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
     row_delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(delta + lse_offsets, row_delta, mask=row_valid)
-    row_lse = _log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]
+    row_lse = log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]
 
-    k_source = _tile_source(k + batch * stride_kb, kv_head, stride_ks, stride_kh, seq_len_kv,
-                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    v_source = _tile_source(v + batch * stride_vb, kv_head, stride_vs, stride_vh, seq_len_kv,
-                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    key_range = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k_source = tile_source(k + batch * stride_k_b, kv_head, stride_k_s, stride_k_h, seq_len_kv,
+                           HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    v_source = tile_source(v + batch * stride_v_b, kv_head, stride_v_s, stride_v_h, seq_len_kv,
+                           HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
-    steps_per_block: tl.constexpr = KV_BLOCK // BLOCK_N
-    step_start, step_end = _row_steps(
-        row_offsets, layout, stride_layout, query_first // Q_BLOCK, steps_per_block
+    STEPS_PER_BLOCK: tl.constexpr = KV_BLOCK // BLOCK_N
+    step_start, step_end = row_steps(
+        row_offsets, layout, stride_layout, query_first // Q_BLOCK, STEPS_PER_BLOCK
     )
 
     dq = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
-        key_first = _step_first(col_indices, step, steps_per_block, KV_BLOCK, BLOCK_N)
-        key_positions = key_first + key_range  # [BLOCK_N]
-        key_valid = key_positions < seq_len_kv  # [BLOCK_N]
-        k_tile = _load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_ks,
-                            stride_kh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
-        v_tile = _load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_vs,
-                            stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
-
-        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
-        scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        scores = _mask_scores(
-            scores,
-            positions[:, None],
-            key_positions[None, :],
-            query_first,
-            query_last,
-            key_first,
-            BLOCK_N,
-            seq_len_kv,
-            window_left,
-            window_right,
-            HAS_LEFT,
-            HAS_RIGHT,
-            documents,
-            query_documents,
-            HAS_DOCUMENTS,
-        )  # [BLOCK_M, BLOCK_N]
+        k_tile, v_tile, key_positions, scores = kv_step(
+            q_tile, k_source, v_source, col_indices, step, kv_head, positions, query_first,
+            query_last, query_documents, documents, stride_k_s, stride_k_h, stride_v_s,
+            stride_v_h, seq_len_kv, qk_scale, window_left, window_right, STEPS_PER_BLOCK,
+            KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS,
+            DOT_PRECISION, TMA,
+        )  # fmt: skip  # scores [BLOCK_M, BLOCK_N]
         probs = tl.math.exp2(scores - row_lse[:, None])  # [BLOCK_M, BLOCK_N]
         grad_probs = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:  # dP of the kept, rescaled probabilities; delta already has them
-            grad_probs *= _dropout_scale(
+            grad_probs *= dropout_scale(
                 dropout_seed, batch, heads[:, None], positions[:, None], key_positions[None, :],
                 dropout_p,
             )  # fmt: skip
         grad_scores = probs * (grad_probs - row_delta[:, None])  # [BLOCK_M, BLOCK_N]
         dq = tl.dot(grad_scores.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
 
-    dq_rows = _row_offsets(positions, heads, stride_dqs, stride_dqh)  # [BLOCK_M]
+    dq_offsets = element_offsets(positions, heads, stride_grad_q_s, stride_grad_q_h)  # [BLOCK_M]
     dq = dq * softmax_scale  # [BLOCK_M, D_PAD]
-    _store_rows(grad_q + batch * stride_dqb, dq_rows, row_valid, dq, HEAD_DIM, HEAD_DIM_PAD)
+    store_rows(grad_q + batch * stride_grad_q_b, dq_offsets, row_valid, dq, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @triton.jit
 def _dkdv_kernel(
-    q,
-    k,
-    v,
-    grad_out,
-    lse,
-    delta,
-    grad_k,
-    grad_v,
-    row_offsets,
-    row_indices,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    stride_dvb,
-    stride_dvs,
-    stride_dvh,
-    stride_lse_b,
-    stride_lse_h,
-    documents,
-    stride_documents_b,
-    dropout_p,
-    dropout_seed,
-    stride_layout,
-    seq_len_q,
-    seq_len_kv,
-    group,
-    layout_batch_stride,
-    layout_head_divisor,
-    qk_scale,
-    softmax_scale,
-    window_left,
-    window_right,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    Q_BLOCK: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    PACK: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    q, k, v, grad_out, lse, delta, grad_k, grad_v, row_offsets, row_indices, documents,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h, stride_grad_out_b, stride_grad_out_s, stride_grad_out_h,
+    stride_grad_k_b, stride_grad_k_s, stride_grad_k_h,
+    stride_grad_v_b, stride_grad_v_s, stride_grad_v_h, stride_lse_b, stride_lse_h,
+    stride_documents_b, stride_layout,
+    dropout_p, dropout_seed, seq_len_q, seq_len_kv, group, layout_batch_stride,
+    layout_head_divisor, qk_scale, softmax_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B), in kv order: under a causal layout the first kv
     blocks are used by the most query blocks, so the heavy tiles already start first.
     row_offsets / row_indices: the transposed layout (rows = kv blocks, entries = q
@@ -276,99 +150,89 @@ def _dkdv_kernel(
 
     key_positions = key_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     key_valid = key_positions < seq_len_kv  # [BLOCK_N]
-    k_source = _tile_source(k + batch * stride_kb, kv_head, stride_ks, stride_kh, seq_len_kv,
-                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    k_tile = _load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_ks,
-                        stride_kh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
-    v_source = _tile_source(v + batch * stride_vb, kv_head, stride_vs, stride_vh, seq_len_kv,
-                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    v_tile = _load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_vs,
-                        stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+    k_source = tile_source(k + batch * stride_k_b, kv_head, stride_k_s, stride_k_h, seq_len_kv,
+                           HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    k_tile = load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_k_s,
+                       stride_k_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+    v_source = tile_source(v + batch * stride_v_b, kv_head, stride_v_s, stride_v_h, seq_len_kv,
+                           HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
+    v_tile = load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_v_s,
+                       stride_v_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
     documents += batch * stride_documents_b
     ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
-    steps_per_block: tl.constexpr = Q_BLOCK // ROWS
+    STEPS_PER_BLOCK: tl.constexpr = Q_BLOCK // ROWS
     for chunk in range(0, group // PACK):
         # PACK heads of the group at a time; each chunk reads its own layout row when
         # layout heads are per query head (then PACK = 1).
         first_head = kv_head * group + chunk * PACK
         layout = batch * layout_batch_stride + first_head // layout_head_divisor
-        step_start, step_end = _row_steps(
-            row_offsets, layout, stride_layout, key_first // KV_BLOCK, steps_per_block
+        step_start, step_end = row_steps(
+            row_offsets, layout, stride_layout, key_first // KV_BLOCK, STEPS_PER_BLOCK
         )
-        q_source = _tile_source(q + batch * stride_qb, first_head, stride_qs, stride_qh,
-                                seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-        do_source = _tile_source(
-            grad_out + batch * stride_dob, first_head, stride_dos, stride_doh, seq_len_q,
-            HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA,
+        q_source = tile_source(q + batch * stride_q_b, first_head, stride_q_s, stride_q_h,
+                               seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+        do_source = tile_source(
+            grad_out + batch * stride_grad_out_b, first_head, stride_grad_out_s,
+            stride_grad_out_h, seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA,
         )  # fmt: skip
         for step in range(step_start, step_end):
-            query_first = _step_first(row_indices, step, steps_per_block, Q_BLOCK, ROWS)
-            positions, heads = _packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
+            query_first = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
+            positions, heads = packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
             row_valid = positions < seq_len_q  # [BLOCK_M]
-            q_tile = _load_tile(q_source, query_first, positions, heads, row_valid, stride_qs,
-                                stride_qh, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-            do_tile = _load_tile(do_source, query_first, positions, heads, row_valid, stride_dos,
-                                 stride_doh, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+            q_tile = load_tile(q_source, query_first, positions, heads, row_valid, stride_q_s,
+                               stride_q_h, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+            do_tile = load_tile(do_source, query_first, positions, heads, row_valid,
+                                stride_grad_out_s, stride_grad_out_h, HEAD_DIM, HEAD_DIM_PAD,
+                                ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
             lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions
-            row_lse = _log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
+            row_lse = log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
             row_delta = tl.load(delta + lse_offsets, mask=row_valid, other=0.0)  # [BLOCK_M]
 
             # Transposed scores, so that dK and dV accumulate as [BLOCK_N, D] without transposes.
             scores = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
             scores *= qk_scale  # [BLOCK_N, BLOCK_M], log2 units
-            scores = _mask_scores(
-                scores,
-                positions[None, :],
-                key_positions[:, None],
-                query_first,
-                query_first + ROWS - 1,
-                key_first,
-                BLOCK_N,
-                seq_len_kv,
-                window_left,
-                window_right,
-                HAS_LEFT,
-                HAS_RIGHT,
-                documents,
-                _documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[None, :],
+            query_documents = documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)
+            scores = mask_scores(
+                scores, positions[None, :], key_positions[:, None], query_first,
+                query_first + ROWS - 1, key_first, BLOCK_N, seq_len_kv, window_left,
+                window_right, HAS_LEFT, HAS_RIGHT, documents, query_documents[None, :],
                 HAS_DOCUMENTS,
-            )  # [BLOCK_N, BLOCK_M]
+            )  # fmt: skip  # [BLOCK_N, BLOCK_M]
             probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
+            grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
             if HAS_DROPOUT:  # dV from the kept, rescaled probabilities; dP likewise
-                scale = _dropout_scale(
+                scale = dropout_scale(
                     dropout_seed, batch, heads[None, :], positions[None, :],
                     key_positions[:, None], dropout_p,
                 )  # fmt: skip  # [BLOCK_N, BLOCK_M]
-                dropped = (probs * scale).to(do_tile.dtype)
-                dv = tl.dot(dropped, do_tile, dv, input_precision=DOT_PRECISION)
-                grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
+                dv = tl.dot((probs * scale).to(do_tile.dtype), do_tile, dv,
+                            input_precision=DOT_PRECISION)  # fmt: skip
                 grad_probs *= scale
             else:
                 dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
-                grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
             grad_scores = probs * (grad_probs - row_delta[None, :])  # [BLOCK_N, BLOCK_M]
             dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
 
     dk = dk * softmax_scale  # [BLOCK_N, D_PAD]
-    dk_rows = key_positions.to(tl.int64) * stride_dks + kv_head.to(tl.int64) * stride_dkh
-    _store_rows(grad_k + batch * stride_dkb, dk_rows, key_valid, dk, HEAD_DIM, HEAD_DIM_PAD)
-    dv_rows = key_positions.to(tl.int64) * stride_dvs + kv_head.to(tl.int64) * stride_dvh
-    _store_rows(grad_v + batch * stride_dvb, dv_rows, key_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
+    dk_offsets = element_offsets(key_positions, kv_head, stride_grad_k_s, stride_grad_k_h)
+    store_rows(grad_k + batch * stride_grad_k_b, dk_offsets, key_valid, dk, HEAD_DIM, HEAD_DIM_PAD)
+    dv_offsets = element_offsets(key_positions, kv_head, stride_grad_v_s, stride_grad_v_h)
+    store_rows(grad_v + batch * stride_grad_v_b, dv_offsets, key_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @functools.cache
-def _tuned_dq(head_dim_padded: int, kv_block: int):
-    configs_list = configs.dq_configs(head_dim_padded, kv_block)
-    return triton.autotune(configs=configs_list, key=AUTOTUNE_KEY)(_dq_kernel)
+def _tuned_dq(launch: configs.Launch, kv_block: int):
+    choices = configs.dq_configs(launch, kv_block)
+    return triton.autotune(configs=choices, key=AUTOTUNE_KEY)(_dq_kernel)
 
 
 @functools.cache
-def _tuned_dkdv(head_dim_padded: int):
-    configs_list = configs.dkdv_configs(head_dim_padded)
-    return triton.autotune(configs=configs_list, key=AUTOTUNE_KEY)(_dkdv_kernel)
+def _tuned_dkdv(launch: configs.Launch, block_n: int):
+    choices = configs.dkdv_configs(launch, block_n)
+    return triton.autotune(configs=choices, key=AUTOTUNE_KEY)(_dkdv_kernel)
 
 
 def attention_backward(
@@ -386,64 +250,76 @@ def attention_backward(
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    tma: bool | None = None,
+    dq_query_rows: int | None = None,
+    dkdv_query_rows: int | None = None,
+    dkdv_kv_rows: int | None = None,
+    dq_config: triton.Config | None = None,
+    dkdv_config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) shaped like q, k, v in their dtypes; lse fp32 [B, H_q, S_q] from the forward."""
-    grad_out, q, k, v, out = (last_dim_contiguous(t) for t in (grad_out, q, k, v, out))
-    lse = lse.contiguous()
+    """Backward of validated, kernel-ready inputs (custom_op.py makes them so).
+
+    Args:
+        grad_out, q, k, v, out: as in attention_forward, unit stride along D.
+        lse: fp32 [B, H_q, S_q] from the forward, contiguous.
+        tma: as in attention_forward.
+        dq_query_rows, dkdv_query_rows: the most rows of a query tile of each kernel;
+            dkdv_kv_rows: key rows of a dK/dV program (None: the configs module's choice).
+        dq_config, dkdv_config: run these kernel configs instead of autotuning.
+
+    Returns:
+        (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
+    """
     batch, seq_len_q, heads_q, head_dim = q.shape
     seq_len_kv, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    padded = head_dim_pad(head_dim)
-    layout_batch_stride, layout_head_divisor = layout_arguments(layout, heads_q, heads_kv)
+    padded = _env.head_dim_pad(head_dim)
     delta = torch.empty_like(lse)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     shared = dict(
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=padded,
-        Q_BLOCK=layout.q_block,
-        KV_BLOCK=layout.kv_block,
-        DOT_PRECISION=dot_precision(q.dtype),
-        TMA=use_tma(q, k, v, out, grad_out),
-        HAS_DOCUMENTS=document_ids is not None,
-        HAS_DROPOUT=dropout_p > 0,
-        **mask_arguments(causal, window_size),
-    )
-    scalars = (
-        seq_len_q, seq_len_kv, group, layout_batch_stride, layout_head_divisor,
-        softmax_scale * LOG2_E, softmax_scale,
+        q=q, k=k, v=v, grad_out=grad_out, lse=lse, delta=delta,
+        **strides("q", q), **strides("k", k), **strides("v", v),
+        **strides("grad_out", grad_out), **strides("lse", lse, "bh"),
+        **document_arguments(document_ids, layout.row_offsets),
+        dropout_p=dropout_p, dropout_seed=dropout_seed, seq_len_q=seq_len_q,
+        seq_len_kv=seq_len_kv, group=heads_q // heads_kv, **layout_arguments(layout, heads_q),
+        qk_scale=softmax_scale * _env.LOG2_E, softmax_scale=softmax_scale,
+        **mask_arguments(causal, window_size), HEAD_DIM=head_dim, HEAD_DIM_PAD=padded,
+        Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block, HAS_DROPOUT=dropout_p > 0,
+        DOT_PRECISION=_env.dot_precision(q.dtype), TMA=resolve_tma(tma, q, k, v, out, grad_out),
     )  # fmt: skip
 
-    row_offsets = layout.row_offsets.contiguous()
-    documents, stride_documents, _ = document_arguments(document_ids, row_offsets)
-    tile = packing(layout, layout.q_block, configs.max_query_rows(padded, "dq"), heads_q, heads_kv)
+    max_rows = configs.max_query_rows(padded, "dq") if dq_query_rows is None else dq_query_rows
+    tile = packing(layout, max_rows, heads_q, heads_kv)
     order = tile_order(layout, tile.rows)
     grid = (order.numel(), heads_q // tile.pack, batch)
+    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), shared["TMA"],
+                            _env.shared_memory(q.device))  # fmt: skip
+    kernel = _dq_kernel if dq_config is not None else _tuned_dq(launch, layout.kv_block)
     with descriptor_scratch(q.device):
-        _tuned_dq(padded, layout.kv_block)[grid](
-            q, k, v, out, grad_out, lse, delta, grad_q,
-            row_offsets, layout.col_indices, order,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            *grad_out.stride()[:3], *grad_q.stride()[:3], lse.stride(0), lse.stride(1),
-            documents, stride_documents, dropout_p, dropout_seed, row_offsets.stride(0),
-            *scalars, ROWS=tile.rows, PACK=tile.pack, **shared,
+        kernel[grid](
+            out=out, grad_q=grad_q, row_offsets=layout.row_offsets,
+            col_indices=layout.col_indices, tile_order=order, **strides("out", out),
+            **strides("grad_q", grad_q), stride_layout=layout.row_offsets.stride(0),
+            ROWS=tile.rows, PACK=tile.pack, **shared, **config_arguments(dq_config),
         )  # fmt: skip
 
     transposed = layout.transpose()
-    transposed_offsets = transposed.row_offsets.contiguous()
-    kv_rows = configs.dkdv_kv_rows(padded, layout.kv_block)
-    max_rows = configs.max_query_rows(padded, "dkdv")
-    tile = packing(layout, layout.q_block, max_rows, heads_q, heads_kv)
-    grid = (triton.cdiv(seq_len_kv, kv_rows), heads_kv, batch)
+    if dkdv_kv_rows is None:
+        dkdv_kv_rows = configs.dkdv_kv_rows(padded, layout.kv_block)
+    if dkdv_query_rows is None:
+        dkdv_query_rows = configs.max_query_rows(padded, "dkdv")
+    tile = packing(layout, dkdv_query_rows, heads_q, heads_kv)
+    grid = (triton.cdiv(seq_len_kv, dkdv_kv_rows), heads_kv, batch)
+    launch = launch._replace(block_m=tile.rows * tile.pack)
+    kernel = _dkdv_kernel if dkdv_config is not None else _tuned_dkdv(launch, dkdv_kv_rows)
     with descriptor_scratch(q.device):
-        _tuned_dkdv(padded)[grid](
-            q, k, v, grad_out, lse, delta, grad_k, grad_v,
-            transposed_offsets, transposed.col_indices,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-            *grad_k.stride()[:3], *grad_v.stride()[:3], lse.stride(0), lse.stride(1),
-            documents, stride_documents, dropout_p, dropout_seed, transposed_offsets.stride(0),
-            *scalars,
-            ROWS=tile.rows, PACK=tile.pack, **shared, BLOCK_N=kv_rows,
+        kernel[grid](
+            grad_k=grad_k, grad_v=grad_v, row_offsets=transposed.row_offsets,
+            row_indices=transposed.col_indices, **strides("grad_k", grad_k),
+            **strides("grad_v", grad_v), stride_layout=transposed.row_offsets.stride(0),
+            ROWS=tile.rows, PACK=tile.pack, BLOCK_N=dkdv_kv_rows, **shared,
+            **config_arguments(dkdv_config),
         )  # fmt: skip
     return grad_q, grad_k, grad_v

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_msa.ops.triton.forward import _dropout_scale
+from flash_msa.ops.triton.common import dropout_scale
 
 MASK_LIMIT = 1 << 26  # elements of a materialised mask
 
@@ -26,7 +26,7 @@ def _dropout_mask_kernel(
     batch_head = tl.program_id(2)
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
-    scale = _dropout_scale(
+    scale = dropout_scale(
         seed, batch_head // heads_q, batch_head % heads_q, queries, keys, dropout_p
     )  # [BLOCK_M, BLOCK_N]
     offsets = (batch_head.to(tl.int64) * seq_len_q + queries) * seq_len_kv + keys
@@ -49,6 +49,7 @@ def dropout_mask(
     keep = torch.empty(batch, heads_q, seq_len_q, seq_len_kv, dtype=torch.bool, device=device)
     grid = (triton.cdiv(seq_len_q, 32), triton.cdiv(seq_len_kv, 32), batch * heads_q)
     _dropout_mask_kernel[grid](
-        keep, seed, dropout_p, heads_q, seq_len_q, seq_len_kv, BLOCK_M=32, BLOCK_N=32
-    )
+        keep=keep, seed=seed, dropout_p=dropout_p, heads_q=heads_q, seq_len_q=seq_len_q,
+        seq_len_kv=seq_len_kv, BLOCK_M=32, BLOCK_N=32,
+    )  # fmt: skip
     return keep

@@ -7,14 +7,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton import attention_backward, attention_forward, configs
-from flash_msa.ops.triton import backward as triton_backward
-from flash_msa.ops.triton import forward as triton_forward
+from flash_msa.ops.triton.common import use_tma
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
 
@@ -178,25 +176,22 @@ def check(name: str, actual: torch.Tensor, expected: torch.Tensor, like: torch.T
 
 
 @pytest.fixture(params=["tma", "pointers"])
-def loads(request, monkeypatch):
-    """Run a test with tiles loaded through tensor descriptors (where use_tma allows them:
-    on Hopper, and here under the interpreter for fp32) and again through pointers (other
+def loads(request) -> dict:
+    """The launchers' load option: tiles through tensor descriptors (where use_tma allows
+    them: on Hopper, and here under the interpreter for fp32), then through pointers (other
     GPUs, and tensors TMA cannot address)."""
-    if request.param == "pointers":
-        for module in (triton_forward, triton_backward):
-            monkeypatch.setattr(module, "use_tma", lambda *tensors: False)
-    return request.param
+    return {"tma": None if request.param == "tma" else False}
 
 
 def test_tma_needs_16_byte_alignment():
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or newer")
     rows = torch.zeros(2, 64, 4, 32, device=DEVICE)  # [B, S, H, D] fp32
-    assert triton_forward.use_tma(rows)
-    assert not triton_forward.use_tma(rows[..., 1:])  # base 4 bytes past an aligned one
-    assert not triton_forward.use_tma(torch.zeros(2, 64, 3, 3, device=DEVICE))  # 36-byte rows
-    assert not triton_forward.use_tma(rows[:, :1].expand(2, 64, 4, 32))  # broadcast positions
-    assert triton_forward.use_tma(rows[:1])  # a batch of one: its stride is never used
+    assert use_tma(rows)
+    assert not use_tma(rows[..., 1:])  # base 4 bytes past an aligned one
+    assert not use_tma(torch.zeros(2, 64, 3, 3, device=DEVICE))  # 36-byte rows
+    assert not use_tma(rows[:, :1].expand(2, 64, 4, 32))  # broadcast positions
+    assert use_tma(rows[:1])  # a batch of one: its stride is never used
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -204,12 +199,14 @@ def test_forward_backward_match_reference(name, loads, poisoned_allocations):
     case = CASES[name]
     layout = case.layout().to(DEVICE)
     q, k, v = case.inputs(device=DEVICE)
-    out, lse = attention_forward(q, k, v, layout, **case.options())
+    out, lse = attention_forward(q, k, v, layout, **case.options(), **loads)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(case, q, k, v, grad_out)
     check("out", out, ref_out, q)
     check("lse", lse, ref_lse, ref_lse.float())
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
+    dq, dk, dv = attention_backward(
+        grad_out, q, k, v, out, lse, layout, **case.options(), **loads
+    )
     check("dq", dq, ref_dq, q)
     check("dk", dk, ref_dk, k)
     check("dv", dv, ref_dv, v)
@@ -312,13 +309,18 @@ GPU_CASES = {
 }  # fmt: skip
 
 
-def assert_within_twice_torch_error(case: Case, dtype: torch.dtype, device: str = "cuda"):
-    """FlashAttention's rule: error vs float64 at most 2x that of PyTorch in the same dtype."""
+def assert_within_twice_torch_error(
+    case: Case, dtype: torch.dtype, device: str = "cuda", forward_option=None, backward_option=None
+):
+    """FlashAttention's rule: error vs float64 at most 2x that of PyTorch in the same dtype.
+    forward_option / backward_option: launcher options (an explicit kernel config)."""
     layout = case.layout().to(device)
     q, k, v = case.inputs(dtype, device)
     grad_out = torch.randn(q.shape, dtype=dtype, device=device)
-    out, lse = attention_forward(q, k, v, layout, **case.options())
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
+    out, lse = attention_forward(q, k, v, layout, **case.options(), **(forward_option or {}))
+    dq, dk, dv = attention_backward(
+        grad_out, q, k, v, out, lse, layout, **case.options(), **(backward_option or {})
+    )
     exact = reference(case, q, k, v, grad_out)
     mask = layout_mask(layout, case.batch, case.heads_q, causal=case.causal,
                        window_size=case.window_size)  # fmt: skip
@@ -355,28 +357,37 @@ CONFIG_CASES = {
         kv_block=128, layout_heads="kv", causal=True, density=0.6,
     ),
 }  # fmt: skip
-KERNEL_CONFIGS = {  # kernel -> (module, its autotuned factory, the jit function, its configs)
-    "forward": (triton_forward, "_tuned_forward", triton_forward._forward_kernel,
-                configs.forward_configs(128, 128)),
-    "dq": (triton_backward, "_tuned_dq", triton_backward._dq_kernel, configs.dq_configs(128, 128)),
-    "dkdv": (triton_backward, "_tuned_dkdv", triton_backward._dkdv_kernel,
-             configs.dkdv_configs(128)),
-}  # fmt: skip
+# kernel -> its configs at D = 128, bf16, blocks of 128, TMA loads, on an H100 / H200
+LAUNCH = configs.Launch(128, 128, 2, True, 232_448)
+KERNEL_CONFIGS = {
+    "forward": configs.forward_configs(LAUNCH, 128),
+    "dq": configs.dq_configs(LAUNCH, 128),
+    "dkdv": configs.dkdv_configs(LAUNCH._replace(block_m=64), 128),
+}
+CONFIG_OPTION = {"forward": "config", "dq": "dq_config", "dkdv": "dkdv_config"}
+
+
+def assert_config_within_twice_torch_error(case: Case, kernel: str, config):
+    """One kernel under an explicit config, the others autotuned: FlashAttention's rule."""
+    option = {CONFIG_OPTION[kernel]: config}
+    forward_option = option if kernel == "forward" else {}
+    backward_option = {} if kernel == "forward" else option
+    assert_within_twice_torch_error(case, torch.bfloat16, forward_option=forward_option,
+                                    backward_option=backward_option)  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", list(CONFIG_CASES))
 @pytest.mark.parametrize(
     "kernel, index",
-    [(kernel, index) for kernel, entry in KERNEL_CONFIGS.items() for index in range(len(entry[3]))],
+    [(kernel, index) for kernel, listed in KERNEL_CONFIGS.items() for index in range(len(listed))],
 )
-def test_every_autotune_config_within_twice_torch_error(kernel, index, case_name, monkeypatch):
+def test_every_autotune_config_within_twice_torch_error(kernel, index, case_name):
     """The autotuner keeps whichever config runs fastest on the machine at hand, so each
     one it may pick must be right, not only today's winner."""
-    module, factory, function, choices = KERNEL_CONFIGS[kernel]
-    single = triton.autotune(configs=[choices[index]], key=triton_forward.AUTOTUNE_KEY)(function)
-    monkeypatch.setattr(module, factory, lambda *shape: single)
-    assert_within_twice_torch_error(CONFIG_CASES[case_name], torch.bfloat16)
+    assert_config_within_twice_torch_error(
+        CONFIG_CASES[case_name], kernel, KERNEL_CONFIGS[kernel][index]
+    )
 
 
 @pytest.mark.gpu
@@ -391,85 +402,3 @@ def test_backward_is_deterministic(name):
     second = attention_backward(grad_out, q, k, v, out, lse, layout, **case.options())
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
-
-
-# ---- GPU code generation without a GPU ------------------------------------------------------
-SM90_COMPILE = """
-import re, subprocess, sys, os
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flash_msa.ops.triton import backward, configs, forward
-
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-tensors = {"q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v"}
-D, Q_BLOCK, KV_BLOCK = 128, 64, 128
-TMA = sys.argv[3] == "tma"
-shared = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK, HAS_LEFT=True,
-              HAS_RIGHT=True, HAS_DOCUMENTS=sys.argv[2] == "features",
-              HAS_DROPOUT=sys.argv[2] == "features", DOT_PRECISION="tf32", TMA=TMA)
-SHARED_HEADS = 1 if TMA else 4  # TMA: unpacked query tiles, all through descriptors
-kernels = [
-    ("forward", forward._forward_kernel, configs.forward_configs(D, KV_BLOCK)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "forward"), SHARED_HEADS), {}),
-    ("dq", backward._dq_kernel, configs.dq_configs(D, KV_BLOCK)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dq"), SHARED_HEADS), {}),
-    ("dkdv", backward._dkdv_kernel, configs.dkdv_configs(D)[0],
-     configs.row_tile(Q_BLOCK, configs.max_query_rows(D, "dkdv"), SHARED_HEADS),
-     {"BLOCK_N": configs.dkdv_kv_rows(D, KV_BLOCK)}),
-]
-for name, kernel, config, tile, extra in kernels:
-    constexprs = dict(shared, ROWS=tile.rows, PACK=tile.pack, **config.kwargs, **extra)
-    signature = {
-        arg: "constexpr" if arg in constexprs
-        else "*bf16" if arg in tensors
-        else "*fp32" if arg in ("lse", "delta")
-        else "*i32" if arg in ("row_offsets", "col_indices", "row_indices", "documents",
-                               "tile_order")
-        else "fp32" if arg in ("qk_scale", "softmax_scale", "dropout_p")
-        else "i32"
-        for arg in kernel.arg_names
-    }
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
-    )
-    path = f"{sys.argv[1]}/{name}.ptx"
-    open(path, "w").write(compiled.asm["ptx"])
-    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
-                            capture_output=True, text=True, check=True).stderr
-    spills = re.search(r"(\\d+) bytes spill stores", report).group(1)
-    print(name, "wgmma" in compiled.asm["ptx"], spills)
-"""
-
-
-@pytest.mark.parametrize("loads", ["pointers", "tma"])
-@pytest.mark.parametrize("features", ["plain", "features"])
-def test_kernels_compile_for_hopper(tmp_path, features, loads):
-    """Interpreter runs never reach Triton's GPU code generation; compile each kernel for
-    sm_90 (bf16, D = 128, causal + window; plain, then with documents and dropout) with the
-    ptxas Triton bundles: GQA-packed tiles through pointer loads, and unpacked tiles
-    through tensor descriptors."""
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this Triton build bundles no ptxas")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE, str(tmp_path), features, loads],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    for line in result.stdout.splitlines():
-        name, uses_wgmma, spills = line.split()
-        assert uses_wgmma == "True", f"{name} does not use Hopper tensor cores (wgmma)"
-        # dK/dV at 128 kv x 64 query rows spills (about 1 KB) yet measured 1.8x faster than
-        # the spill-free 64 x 64 tile on an H200 (benchmarks/NOTES.md); the others must not.
-        limit = 1024 if name == "dkdv" else 64
-        assert int(spills) <= limit, f"{name} spills {spills} bytes of registers"

@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from flash_msa import block_sparse_attn_func, patterns
+from flash_msa import _env, block_sparse_attn_func, patterns
 from flash_msa.testing import random_qkv
+
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or not _env.interpreting(), reason="CPU interpreter runs"
+)
 
 LAYOUT = patterns.causal(64, block_size=16)
 
@@ -36,17 +40,33 @@ CASES = [
         {"k": torch.randn(2, 64, 3, 16), "v": torch.randn(2, 64, 3, 16)},
         {},
         ValueError,
-        r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+        r"query heads \(4\) must be a positive multiple of key/value heads \(3\)",
     ),
     (
         {
-            "q": torch.randn(2, 64, 4, 12),
-            "k": torch.randn(2, 64, 2, 12),
-            "v": torch.randn(2, 64, 2, 12),
+            "q": torch.randn(2, 64, 4, 0),
+            "k": torch.randn(2, 64, 2, 0),
+            "v": torch.randn(2, 64, 2, 0),
         },
         {},
         ValueError,
-        "head_dim must be a multiple of 8 .* got 12",
+        r"head_dim must be at least 1, got q of shape \[2, 64, 4, 0\]",
+    ),
+    (
+        {
+            "q": torch.randn(2, 64, 4, 264),
+            "k": torch.randn(2, 64, 2, 264),
+            "v": torch.randn(2, 64, 2, 264),
+        },
+        {"backend": "triton"},
+        ValueError,
+        "backend='triton' cannot run this call: triton takes head dims up to 256, not 264",
+    ),
+    (
+        {"q": torch.randn(2, 64, 0, 16)},
+        {},
+        ValueError,
+        r"query heads \(0\) must be a positive multiple of key/value heads \(2\)",
     ),
     ({"q": torch.randn(2, 64, 4, 8)}, {}, ValueError, "q has head_dim 8 but k, v have head_dim 16"),
     ({"layout": "causal"}, {}, TypeError, "layout must be a flash_msa.BlockLayout, got str"),
@@ -76,8 +96,14 @@ CASES = [
     ({}, {"window_size": (4,)}, ValueError, r"window_size must be \(left, right\)"),
     ({}, {"window_size": (-2, 0)}, ValueError, r"ints >= -1 .* got \(-2, 0\)"),
     ({}, {"softmax_scale": -1.0}, ValueError, "softmax_scale must be a positive finite"),
-    ({}, {"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\), got 1.5"),
-    ({}, {"backend": "cuda"}, ValueError, "backend must be one of .* got 'cuda'"),
+    ({}, {"softmax_scale": True}, ValueError, "softmax_scale must be a positive finite"),
+    ({}, {"window_size": (True, False)}, ValueError, r"window_size must be \(left, right\)"),
+    ({}, {"dropout_p": False}, ValueError, "dropout_p must be a float"),
+    ({}, {"deterministic": 1}, TypeError, "deterministic must be a bool, got int"),
+    ({}, {"deterministic": True}, ValueError, "torch has no bitwise deterministic backward"),
+    ({}, {"backend": 3}, TypeError, "backend must be a str, got int"),
+    ({}, {"dropout_p": 1.5}, ValueError, r"dropout_p must be a float in \[0, 1\), got 1.5"),
+    ({}, {"backend": "cuda"}, ValueError, "backend must be 'auto' or one of .* got 'cuda'"),
 ]
 
 
@@ -89,22 +115,31 @@ def test_bad_input_is_rejected_with_the_fix(changes, options, error, match):
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_env, "interpreting", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = inputs()
-    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+    with pytest.raises(ValueError, match="Triton kernels need CUDA tensors"):
         block_sparse_attn_func(args["q"], args["k"], args["v"], LAYOUT, backend="triton")
 
 
-def test_float64_is_for_the_torch_backend_only(monkeypatch):
+def test_interpreter_set_after_import_is_explained(monkeypatch):
+    monkeypatch.setattr(_env, "interpreting", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = inputs()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 was set after flash_msa was"):
+        block_sparse_attn_func(args["q"], args["k"], args["v"], LAYOUT, backend="triton")
+
+
+@needs_interpreter
+def test_float64_is_for_the_torch_backend_only():
     q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.float64)
-    with pytest.raises(TypeError, match="float64 runs on backend='torch' only"):
+    with pytest.raises(TypeError, match="triton' cannot run this call: triton takes float16, "):
         block_sparse_attn_func(q, k, v, LAYOUT, backend="triton")
     assert block_sparse_attn_func(q, k, v, LAYOUT).dtype == torch.float64
 
 
-def test_interpreted_bfloat16_is_rejected(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@needs_interpreter
+def test_interpreted_bfloat16_is_rejected():
     q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="interpreter computes bfloat16 wrongly"):
         block_sparse_attn_func(q, k, v, LAYOUT, backend="triton")
