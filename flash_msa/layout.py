@@ -72,6 +72,7 @@ class BlockLayout:
         self.layout_heads = layout_heads
         self._transposed: BlockLayout | None = None
         self._heavy_rows_first: torch.Tensor | None = None
+        self._versions = self._tensor_versions()
         if validate:
             self._validate()
 
@@ -100,7 +101,34 @@ class BlockLayout:
             f"device={self.device})"
         )
 
+    def _tensor_versions(self) -> tuple[int, int] | None:
+        """The version counters of row_offsets and col_indices (every in-place change bumps
+        them), or None where they are not tracked: under torch.compile tracing, and for
+        inference-mode tensors."""
+        if torch.compiler.is_compiling():
+            return None
+        try:
+            return self.row_offsets._version, self.col_indices._version
+        except RuntimeError:  # inference tensors track no version
+            return None
+
+    def check_unchanged(self) -> None:
+        """Raise ValueError if row_offsets or col_indices were changed in place since the
+        layout was built (or last validated): its checks, its cached transpose and its counts
+        would no longer hold. Two integer comparisons, no device work."""
+        if self._versions is None or torch.compiler.is_compiling():
+            return
+        tensors = (("row_offsets", self.row_offsets), ("col_indices", self.col_indices))
+        for (name, tensor), version in zip(tensors, self._versions, strict=True):
+            if tensor._version != version:
+                raise ValueError(
+                    f"layout.{name} was modified in place after the layout was built; build a "
+                    "new layout (a patterns builder, or BlockLayout(row_offsets, col_indices, "
+                    "...) on the changed tensors) instead of editing its tensors"
+                )
+
     def _validate(self) -> None:
+        self._versions = self._tensor_versions()
         offsets, cols = self.row_offsets, self.col_indices
         shape = (self.num_layouts, self.num_q_blocks + 1)
         if offsets.dim() != 2 or tuple(offsets.shape) != shape:
@@ -277,6 +305,8 @@ class BlockLayout:
 
     def flops(self, head_dim: int) -> int:
         """Forward FLOPs over the active blocks of all L layouts: 4 * rows * cols * D per block."""
+        if type(head_dim) is not int or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         rows = self.entry_rows() % self.num_q_blocks
         q_len = (self.seq_len_q - rows * self.q_block).clamp(max=self.q_block)
         kv_len = (self.seq_len_kv - self.col_indices.long() * self.kv_block).clamp(
@@ -361,6 +391,13 @@ class BlockLayout:
     # ---- pictures ------------------------------------------------------------------
     def show(self, max_blocks: int = 32, head: int = 0) -> str:
         """ASCII picture of one layout head: [X] active, [ ] skipped (cut to max_blocks)."""
+        if type(max_blocks) is not int or max_blocks < 1:
+            raise ValueError(f"max_blocks must be a positive int, got {max_blocks!r}")
+        if type(head) is not int or not 0 <= head < self.num_layouts:
+            raise ValueError(
+                f"head must be an int in [0, {self.num_layouts}) (the layout has "
+                f"layout_batch * layout_heads = {self.num_layouts} heads), got {head!r}"
+            )
         rows = min(self.num_q_blocks, max_blocks)
         cols = min(self.num_kv_blocks, max_blocks)
         start, end = self.row_offsets[head, 0].long(), self.row_offsets[head, rows].long()
@@ -378,11 +415,24 @@ class BlockLayout:
         return "\n".join(lines)
 
     def plot(self, path: str, max_pixels: int = 512, max_heads: int = 16) -> None:
-        """PNG of the layout, one panel per layout head, binned to at most max_pixels a side."""
-        import matplotlib
+        """PNG of the layout, one panel per layout head (the first max_heads), query position
+        down and key position across, in tokens. Active blocks are dark on a light grey
+        background inside a white margin, so blocks along an edge stand apart from the frame.
+        A grid of more than max_pixels blocks a side is binned: a pixel holding any active
+        block is coloured, darker the more of its blocks are active. Needs matplotlib
+        (pip install 'flash-msa[plot]')."""
+        try:
+            import matplotlib
+        except ImportError as error:
+            raise ModuleNotFoundError(
+                "BlockLayout.plot needs matplotlib: pip install 'flash-msa[plot]'",
+                name="matplotlib",
+            ) from error
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.colors import LinearSegmentedColormap
+        from matplotlib.ticker import FuncFormatter, MultipleLocator
 
         heads = min(self.num_layouts, max_heads)
         row_bin = math.ceil(self.num_q_blocks / max_pixels)
@@ -396,20 +446,56 @@ class BlockLayout:
         bins = (layout[keep] * height + row[keep] // row_bin) * width + cols[keep] // col_bin
         fill = torch.bincount(bins, minlength=heads * height * width).view(heads, height, width)
         fill = fill.float() / (row_bin * col_bin)
+        shade = torch.where(fill > 0, 0.5 + 0.5 * fill, fill)  # one active block still shows
+        colours = LinearSegmentedColormap.from_list("layout", ["#e9edf2", "#08306b"])
         grid = math.ceil(math.sqrt(heads))
+        panel = {1: 8.0, 2: 6.0}.get(grid, 4.5)  # inches at 100 dpi: 800 px for one head
         figure, axes = plt.subplots(
             math.ceil(heads / grid),
             grid,
-            figsize=(4 * grid, 4 * math.ceil(heads / grid)),
+            figsize=(panel * grid, panel * math.ceil(heads / grid) + 0.6),
             squeeze=False,
         )
+        extent = (0, width * col_bin * self.kv_block, height * row_bin * self.q_block, 0)
         for index, axis in enumerate(axes.flat):
-            axis.set_axis_off()
-            if index < heads:
-                axis.imshow(
-                    fill[index].numpy(), cmap="Blues", vmin=0, vmax=1, interpolation="nearest"
-                )
-                axis.set_title(f"head {index}: {self.num_q_blocks}x{self.num_kv_blocks} blocks")
-        figure.suptitle(f"density {self.density:.4g}, block {self.q_block}x{self.kv_block}")
-        figure.savefig(path, dpi=100, bbox_inches="tight")
+            if index >= heads:
+                axis.set_axis_off()
+                continue
+            axis.imshow(
+                shade[index].numpy(), cmap=colours, vmin=0, vmax=1, interpolation="nearest",
+                extent=extent, aspect="auto",
+            )  # fmt: skip
+            # A white margin between the blocks and the frame: edge blocks stay visible.
+            margin_q, margin_kv = 0.02 * self.seq_len_q, 0.02 * self.seq_len_kv
+            axis.set_xlim(-margin_kv, self.seq_len_kv + margin_kv)
+            axis.set_ylim(self.seq_len_q + margin_q, -margin_q)  # query 0 at the top
+            for ticks, length in ((axis.xaxis, self.seq_len_kv), (axis.yaxis, self.seq_len_q)):
+                ticks.set_major_locator(MultipleLocator(_tick_step(length)))
+                ticks.set_major_formatter(FuncFormatter(lambda value, _: _tokens(value)))
+            axis.set_xlabel("key position (tokens)")
+            axis.set_ylabel("query position (tokens)")
+            batch, head = divmod(index, self.layout_heads)
+            name = f"head {head}" if self.layout_batch == 1 else f"batch {batch}, head {head}"
+            axis.set_title(name)
+        binned = f"; a pixel is {row_bin} x {col_bin} blocks" if row_bin * col_bin > 1 else ""
+        figure.suptitle(
+            f"{self.num_q_blocks} x {self.num_kv_blocks} blocks of {self.q_block} x "
+            f"{self.kv_block} tokens, density {self.density:.4g}{binned}"
+        )
+        figure.tight_layout()
+        figure.savefig(path, dpi=100, facecolor="white")
         plt.close(figure)
+
+
+def _tick_step(length: int) -> int:
+    """A power-of-two tick spacing giving at most 8 ticks over length tokens."""
+    return 1 << max(0, math.ceil(math.log2(max(length, 1) / 8)))
+
+
+def _tokens(value: float) -> str:
+    """A token position as a tick label: 512, 1K, 1.5K, 128K, 1M (K = 1024)."""
+    value = int(round(value))
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:g}{unit}"
+    return str(value)

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -164,3 +166,89 @@ def test_heavy_rows_first_orders_rows_by_work():
     assert layout.heavy_rows_first().tolist() == [4, 3, 2, 1, 0]
     window = patterns.sliding_window(96, 16, block_size=16)  # rows 1.. have 2 blocks, row 0 one
     assert window.heavy_rows_first().tolist() == [1, 2, 3, 4, 5, 0]  # ties keep their order
+
+
+@pytest.mark.parametrize(
+    "method, argument, match",
+    [
+        ("show", {"head": 5}, r"head must be an int in \[0, 1\) .* got 5"),
+        ("show", {"head": -1}, r"head must be an int in \[0, 1\) .* got -1"),
+        ("show", {"max_blocks": -3}, "max_blocks must be a positive int, got -3"),
+        ("show", {"max_blocks": 0}, "max_blocks must be a positive int, got 0"),
+        ("flops", {"head_dim": -1}, "head_dim must be a positive int, got -1"),
+        ("flops", {"head_dim": 64.0}, "head_dim must be a positive int, got 64.0"),
+    ],
+)
+def test_show_and_flops_refuse_bad_arguments(method, argument, match):
+    with pytest.raises(ValueError, match=match):
+        getattr(patterns.causal(256, block_size=64), method)(**argument)
+
+
+@pytest.mark.parametrize("name", ["row_offsets", "col_indices"])
+def test_check_unchanged_refuses_tensors_edited_in_place(name):
+    layout = patterns.causal(256, block_size=64)
+    layout.check_unchanged()
+    tensor = getattr(layout, name)
+    tensor[..., 3] = int(tensor[..., 3])  # any write counts: the check reads no values
+    with pytest.raises(ValueError, match=f"layout.{name} was modified in place after the layout"):
+        layout.check_unchanged()
+    # A new layout on the edited tensors is checked afresh, and then trusted.
+    rebuilt = BlockLayout(layout.row_offsets, layout.col_indices, seq_len_q=256, q_block=64)
+    rebuilt.check_unchanged()
+    rebuilt._validate()
+    rebuilt.check_unchanged()
+    rebuilt.col_indices[3] = 50
+    with pytest.raises(ValueError, match="build a new layout"):
+        rebuilt.check_unchanged()
+
+
+def test_check_unchanged_without_version_counters():
+    with torch.inference_mode():  # inference tensors track no version: nothing to compare
+        layout = patterns.causal(128, block_size=64)
+        layout.col_indices[0] = 0
+    layout.check_unchanged()
+
+    def rebuild(row_offsets, col_indices):
+        traced = BlockLayout(row_offsets, col_indices, seq_len_q=256, q_block=64, validate=False)
+        traced.check_unchanged()
+        return traced.row_offsets.sum() + traced.col_indices.sum()
+
+    layout = patterns.causal(256, block_size=64)
+    compiled = torch.compile(rebuild, backend="aot_eager", fullgraph=True)
+    expected = rebuild(layout.row_offsets, layout.col_indices)
+    assert compiled(layout.row_offsets, layout.col_indices) == expected
+
+
+def test_plot_labels_axes_in_tokens_and_is_large(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    figures = []
+    savefig = Figure.savefig
+
+    def keep_and_save(figure, *args, **kwargs):
+        figures.append(figure)
+        savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_and_save)
+    path = tmp_path / "longformer.png"
+    patterns.longformer(4096, 512, 128).plot(str(path))
+    header = path.read_bytes()[:24]
+    width, height = int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+    assert min(width, height) >= 800
+    (axis,) = figures[0].axes
+    assert axis.get_xlabel() == "key position (tokens)"
+    assert axis.get_ylabel() == "query position (tokens)"
+    figures[0].canvas.draw()
+    labels = [tick.get_text() for tick in axis.get_xticklabels()]
+    assert "1K" in labels and "4K" in labels
+    # The blocks stop short of the frame, so the first (global) row is not drawn on it.
+    left, right = axis.get_xlim()
+    bottom, top = axis.get_ylim()
+    assert left < 0 < 4096 < right and top < 0 < 4096 < bottom
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'flash-msa\[plot\]'"):
+        patterns.causal(256).plot(str(tmp_path / "causal.png"))
