@@ -57,22 +57,28 @@ def can_run_triton(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
-def triton_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why Triton kernels cannot take tensors of this device and dtype, or None if they can."""
+def triton_refusal(device: torch.device, dtype: torch.dtype) -> tuple[str, type] | None:
+    """Why Triton kernels cannot take tensors of this device and dtype, and the error type
+    that says so (TypeError for a dtype); None if they can."""
     if not can_run_triton(device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
             return (
                 "TRITON_INTERPRET=1 was set after flash_msa was imported; set it before the "
-                "import to run the Triton kernels on the CPU"
+                "import to run the Triton kernels on the CPU",
+                ValueError,
             )
         return (
             f"Triton kernels need CUDA tensors (got {device}), or TRITON_INTERPRET=1 set "
-            "before importing flash_msa to run them on the CPU"
+            "before importing flash_msa to run them on the CPU",
+            ValueError,
         )
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"Triton kernels take float16, bfloat16 or float32, got {dtype}"
+        return f"Triton kernels take float16, bfloat16 or float32, got {dtype}", TypeError
     if device.type == "cpu" and dtype == torch.bfloat16:
-        return "Triton's CPU interpreter computes bfloat16 wrongly: use float16 or float32 there"
+        return (
+            "Triton's CPU interpreter computes bfloat16 wrongly: use float16 or float32 there",
+            TypeError,
+        )
     return None
 
 

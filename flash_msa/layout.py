@@ -233,6 +233,30 @@ class BlockLayout:
         self._transposed, transposed._transposed = transposed, self
         return self
 
+    SIZES = ("seq_len_q", "seq_len_kv", "q_block", "kv_block", "layout_batch", "layout_heads")
+
+    def op_arguments(self) -> dict:
+        """The layout as custom-op arguments: its CSR and CSC tensors, contiguous (the kernels
+        read them flat), and its sizes as a list of ints (see from_op_arguments)."""
+        transposed = self.transpose()
+        return dict(
+            row_offsets=self.row_offsets.contiguous(),
+            col_indices=self.col_indices.contiguous(),
+            t_row_offsets=transposed.row_offsets.contiguous(),
+            t_col_indices=transposed.col_indices.contiguous(),
+            sizes=[getattr(self, name) for name in self.SIZES],
+        )
+
+    @classmethod
+    def from_op_arguments(
+        cls, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+    ) -> BlockLayout:
+        """Rebuild an (already validated) layout and its transposed form inside a custom op."""
+        layout = cls(
+            row_offsets, col_indices, **dict(zip(cls.SIZES, sizes, strict=True)), validate=False
+        )
+        return layout.attach_transpose(t_row_offsets, t_col_indices)
+
     def _meta(self) -> dict:
         return dict(
             seq_len_q=self.seq_len_q,

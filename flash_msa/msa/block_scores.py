@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_msa.layout import BLOCK_SIZES
-from flash_msa.ops.triton.configs import interpreting
+from flash_msa import _env
+from flash_msa.layout import check_block_size
+from flash_msa.ops.triton.common import strides
 from flash_msa.sequences import check_document_ids
 
 MAX_TILE_ROWS = 128  # query rows (positions x packed heads) of one program
@@ -166,7 +167,7 @@ def _configs(kv_block: int, block_m: int) -> list[triton.Config]:
     interpreter, which cannot time them (BLOCK_N 32 < kv_block keeps sub-block steps tested).
     Compiled for sm_90 with Triton 3.6's ptxas (bf16, D_p = 128): every config uses wgmma;
     4 warps spill on 128 x 128 tiles, so they only get smaller ones."""
-    if interpreting():
+    if _env.interpreting():
         return [triton.Config({"BLOCK_N": min(kv_block, 32)}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": size}, num_warps=warps, num_stages=stages)
@@ -213,9 +214,8 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> Non
         raise ValueError(
             f"proxy heads H_p = {heads} must be a multiple of proxy key heads H_pk = {k_shape[2]}"
         )
-    for name, value in (("q_block", q_block), ("kv_block", kv_block)):
-        if value not in BLOCK_SIZES:
-            raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value!r}")
+    check_block_size("q_block", q_block)
+    check_block_size("kv_block", kv_block)
     if proxy_softmax_scale is not None and not proxy_softmax_scale > 0:
         raise ValueError(
             f"proxy_softmax_scale must be > 0 (a max is taken before scaling), "
@@ -234,6 +234,36 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> Non
         )
 
 
+@torch.library.custom_op("flash_msa::block_scores", mutates_args={"out"})
+def _block_scores(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    out: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    scale: float,
+) -> None:
+    batch, seq_len, heads, dim = q_proxy.shape
+    group = heads // k_proxy.shape[2]
+    pack = _pack(q_block, group)
+    documents = out if document_ids is None else document_ids  # never read without documents
+    _tuned_kernel(kv_block, q_block * pack)[(out.shape[2], heads // pack, batch)](
+        q_proxy=q_proxy, k_proxy=k_proxy, scores=out, **strides("q", q_proxy),
+        **strides("k", k_proxy), **strides("o", out, "bhq"), documents=documents,
+        stride_doc_b=0 if document_ids is None else document_ids.stride(0), seq_len=seq_len,
+        num_kv_blocks=out.shape[3], proxy_group=group, scale=scale, HEAD_DIM=dim,
+        HEAD_DIM_PAD=_env.head_dim_pad(dim), Q_BLOCK=q_block, KV_BLOCK=kv_block, PACK=pack,
+        DOT_PRECISION=_env.dot_precision(q_proxy.dtype), TAIL=TAIL_COLUMNS,
+        HAS_DOCUMENTS=document_ids is not None,
+    )  # fmt: skip
+
+
+@_block_scores.register_fake
+def _(q_proxy, k_proxy, document_ids, out, q_block, kv_block, scale):
+    return None
+
+
 def block_scores(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
@@ -244,35 +274,32 @@ def block_scores(
     document_ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] -> fp32 [B, H_p, nq, nk] block scores
-    (see the module docstring); every element is written, so `out` may be reused across steps.
-    Proxy head p reads key head p // (H_p / H_pk). proxy_softmax_scale defaults to 1/sqrt(D_p).
-    With document_ids (int32 [B, S], non-decreasing along S) only pairs within one document
-    count: a block sharing no document with the query block scores -inf."""
+    """Block scores of the module docstring; every element is written, so `out` may be
+    reused across steps.
+
+    Args:
+        q_proxy: [B, S, H_p, D_p]; k_proxy: [B, S, H_pk, D_p]; proxy head p reads key head
+            p // (H_p / H_pk).
+        q_block, kv_block: the block sizes of the scores' grid.
+        proxy_softmax_scale: defaults to 1 / sqrt(D_p).
+        document_ids: int32 [B, S], non-decreasing along S: only pairs within one document
+            count; a block sharing no document with the query block scores -inf.
+        out: fp32 [B, H_p, nq, nk] to write into.
+
+    Returns:
+        fp32 [B, H_p, nq, nk] block scores (out, when given).
+    """
     _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out)
     batch, seq_len, heads, dim = q_proxy.shape
     scale = 1.0 / math.sqrt(dim) if proxy_softmax_scale is None else proxy_softmax_scale
     q_proxy = q_proxy if q_proxy.stride(-1) == 1 else q_proxy.contiguous()
     k_proxy = k_proxy if k_proxy.stride(-1) == 1 else k_proxy.contiguous()
-    num_q_blocks, num_kv_blocks = math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block)
     if out is None:
-        out = torch.empty(
-            batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q_proxy.device
-        )
+        shape = (batch, heads, math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
+        out = torch.empty(shape, dtype=torch.float32, device=q_proxy.device)
     if document_ids is not None:
         check_document_ids(document_ids, batch, seq_len, q_proxy.device)
-        document_ids = document_ids.int()
-    group = heads // k_proxy.shape[2]
-    pack = _pack(q_block, group)
-    grid = (num_q_blocks, heads // pack, batch)
-    _tuned_kernel(kv_block, q_block * pack)[grid](
-        q_proxy, k_proxy, out,
-        *q_proxy.stride()[:3], *k_proxy.stride()[:3], *out.stride()[:3],
-        out if document_ids is None else document_ids,
-        0 if document_ids is None else document_ids.stride(0), seq_len, num_kv_blocks, group, scale,
-        HEAD_DIM=dim, HEAD_DIM_PAD=max(triton.next_power_of_2(dim), 16), Q_BLOCK=q_block,
-        KV_BLOCK=kv_block, PACK=pack,
-        DOT_PRECISION="ieee" if q_proxy.dtype == torch.float32 else "tf32", TAIL=TAIL_COLUMNS,
-        HAS_DOCUMENTS=document_ids is not None,
-    )  # fmt: skip
+        document_ids = document_ids.to(torch.int32).contiguous()
+    _block_scores(q_proxy, k_proxy, document_ids, out, q_block=q_block, kv_block=kv_block,
+                  scale=scale)  # fmt: skip
     return out

@@ -6,12 +6,11 @@ import math
 
 import torch
 
-from flash_msa import patterns
-from flash_msa.layout import BLOCK_SIZES
+from flash_msa import _env, patterns
+from flash_msa.layout import check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.ops.interface import block_sparse_attn_func
-from flash_msa.ops.triton.configs import interpreting
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 
@@ -61,9 +60,8 @@ def _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens) -> N
         )
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    for name, value in (("q_block", q_block), ("kv_block", kv_block)):
-        if value not in BLOCK_SIZES:
-            raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value!r}")
+    check_block_size("q_block", q_block)
+    check_block_size("kv_block", kv_block)
     if q_block > kv_block:
         raise ValueError(
             f"q_block ({q_block}) must be <= kv_block ({kv_block}) so that a query block lies in "
@@ -106,16 +104,10 @@ def msa_func(
       (1 under warmup).
     """
     _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens)
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"msa_func runs Triton kernels: pass CUDA tensors (got {q.device}), or set "
-            "TRITON_INTERPRET=1 before importing flash_msa to run them on the CPU"
-        )
-    if q.device.type != "cuda" and q.dtype == torch.bfloat16:
-        raise TypeError(
-            "Triton's CPU interpreter computes bfloat16 wrongly; on the CPU pass float16 or "
-            "float32 tensors"
-        )
+    refusal = _env.triton_refusal(q.device, q.dtype)
+    if refusal is not None:
+        reason, error = refusal
+        raise error(f"msa_func: {reason}")
     document_ids = None
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], device=q.device)

@@ -18,9 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa import _env
 from flash_msa.layout import BlockLayout
+from flash_msa.ops.triton.common import strides
 
-LOG2E = 1.4426950408889634
+LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def _teacher(
         )
         lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
         logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
-        teacher += tl.exp2(logits - lse[:, None] * 1.4426950408889634)
+        teacher += tl.exp2(logits - lse[:, None] * LOG2_E)
     return tl.where(visible, teacher / group, 0.0)
 
 
@@ -210,75 +212,132 @@ def _kl_dk_proxy_kernel(
              mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
 
 
-def _launch_options(q_proxy, k_proxy, q, k, lse, documents, layout: BlockLayout, scales):
-    """The arguments the three kernels share, in their order, and their constexprs."""
+def _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, layout: BlockLayout, scales):
+    """The keyword arguments the three kernels share."""
     batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
     heads_q, heads_kv, dim = q.shape[2], k.shape[2], q.shape[3]
+    proxy_scale, softmax_scale = scales
     has_documents = documents is not None
     documents = documents if has_documents else lse.new_zeros(1, dtype=torch.int32)
-    proxy_scale, softmax_scale = scales
-    tensors = (q_proxy, k_proxy, q, k, lse, documents)
-    strides = (
-        *q_proxy.stride()[:3], *k_proxy.stride()[:3], *q.stride()[:3], *k.stride()[:3],
-        *lse.stride()[:2], documents.stride(0) if has_documents else 0,
-    )  # fmt: skip
-    layout_batch_stride = layout.layout_heads if layout.layout_batch > 1 else 0
-    geometry = dict(
-        proxy_group=heads_proxy // k_proxy.shape[2],
-        kv_group=heads_proxy // heads_kv,
-        group=heads_q // heads_proxy,
-        layout_batch_stride=layout_batch_stride,
-        heads_per_layout=heads_proxy // layout.layout_heads,
-    )
-    constexprs = dict(
-        HEAD_DIM=dim, HEAD_DIM_PAD=max(triton.next_power_of_2(dim), 16), PROXY_DIM=proxy_dim,
-        PROXY_DIM_PAD=max(triton.next_power_of_2(proxy_dim), 16), Q_BLOCK=layout.q_block,
+    return dict(
+        q_proxy=q_proxy, k_proxy=k_proxy, q=q, k=k, lse=lse, documents=documents,
+        **strides("qp", q_proxy), **strides("kp", k_proxy), **strides("q", q), **strides("k", k),
+        **strides("lse", lse, "bh"), stride_doc_b=documents.stride(0) if has_documents else 0,
+        seq_len=seq_len, heads_proxy=heads_proxy, proxy_group=heads_proxy // k_proxy.shape[2],
+        kv_group=heads_proxy // heads_kv, group=heads_q // heads_proxy,
+        layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
+        heads_per_layout=heads_proxy // layout.layout_heads, proxy_scale=proxy_scale,
+        qk_scale_log2=softmax_scale * _env.LOG2_E, HEAD_DIM=dim,
+        HEAD_DIM_PAD=_env.head_dim_pad(dim), PROXY_DIM=proxy_dim,
+        PROXY_DIM_PAD=_env.head_dim_pad(proxy_dim), Q_BLOCK=layout.q_block,
         KV_BLOCK=layout.kv_block, HAS_DOCUMENTS=has_documents,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=_env.dot_precision(q.dtype),
         num_warps=4 if layout.q_block * layout.kv_block <= 64 * 64 else 8, num_stages=1,
     )  # fmt: skip
-    scalars = (proxy_scale, softmax_scale * LOG2E)
-    return batch, seq_len, heads_proxy, tensors, strides, geometry, scalars, constexprs
 
 
-class _ProxyKL(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, lse, documents, layout, scales, count):
-        options = _launch_options(q_proxy, k_proxy, q, k, lse, documents, layout, scales)
-        batch, seq_len, heads_proxy, tensors, strides, geometry, scalars, constexprs = options
-        lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
-        kl_rows = torch.empty_like(lse_proxy)
-        _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
-            *tensors, layout.row_offsets, layout.col_indices, lse_proxy, lse_proxy, q_proxy,
-            kl_rows, *strides, seq_len, heads_proxy, *geometry.values(), layout.num_q_blocks,
-            *scalars, GRAD=False, **constexprs,
-        )  # fmt: skip
-        ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, lse_proxy)
-        ctx.layout, ctx.scales, ctx.count = layout, scales, count
-        return kl_rows.sum() / count
+@torch.library.custom_op("flash_msa::proxy_kl_forward", mutates_args=())
+def _kl_forward(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    documents: torch.Tensor | None,
+    row_offsets: torch.Tensor,
+    col_indices: torch.Tensor,
+    t_row_offsets: torch.Tensor,
+    t_col_indices: torch.Tensor,
+    sizes: list[int],
+    proxy_softmax_scale: float,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S])."""
+    layout = BlockLayout.from_op_arguments(
+        row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+    )
+    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, layout,
+                                  (proxy_softmax_scale, softmax_scale))  # fmt: skip
+    batch, seq_len, heads_proxy, _ = q_proxy.shape
+    lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
+    kl_rows = torch.empty_like(lse_proxy)
+    _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
+        row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
+        grad_scale=lse_proxy, out=q_proxy, kl_rows=kl_rows, num_q_blocks=layout.num_q_blocks,
+        GRAD=False, **arguments,
+    )  # fmt: skip
+    return kl_rows.sum() / kl_rows.numel(), lse_proxy
 
-    @staticmethod
-    def backward(ctx, grad_kl):
-        q_proxy, k_proxy, q, k, lse, documents, lse_proxy = ctx.saved_tensors
-        layout = ctx.layout
-        options = _launch_options(q_proxy, k_proxy, q, k, lse, documents, layout, ctx.scales)
-        batch, seq_len, heads_proxy, tensors, strides, geometry, scalars, constexprs = options
-        grad_scale = (grad_kl / ctx.count).float().reshape(1)  # on the device: no sync
-        grad_q_proxy = torch.empty_like(q_proxy)
-        _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
-            *tensors, layout.row_offsets, layout.col_indices, lse_proxy, grad_scale,
-            grad_q_proxy, lse_proxy, *strides, seq_len, heads_proxy, *geometry.values(),
-            layout.num_q_blocks, *scalars, GRAD=True, **constexprs,
-        )  # fmt: skip
-        transposed = layout.transpose()
-        grad_k_proxy = torch.empty_like(k_proxy)
-        heads_proxy_keys = k_proxy.shape[2]
-        _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
-            *tensors, transposed.row_offsets, transposed.col_indices, lse_proxy, grad_scale,
-            grad_k_proxy, *strides, seq_len, heads_proxy, heads_proxy_keys, *geometry.values(),
-            layout.num_kv_blocks, *scalars, **constexprs,
-        )  # fmt: skip
-        return grad_q_proxy, grad_k_proxy, None, None, None, None, None, None, None
+
+@_kl_forward.register_fake
+def _(q_proxy, k_proxy, q, k, lse, *rest):
+    batch, seq_len, heads_proxy, _ = q_proxy.shape
+    return lse.new_empty(()), lse.new_empty(batch, heads_proxy, seq_len)
+
+
+@torch.library.custom_op("flash_msa::proxy_kl_backward", mutates_args=())
+def _kl_backward(
+    grad_loss: torch.Tensor,
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    documents: torch.Tensor | None,
+    lse_proxy: torch.Tensor,
+    row_offsets: torch.Tensor,
+    col_indices: torch.Tensor,
+    t_row_offsets: torch.Tensor,
+    t_col_indices: torch.Tensor,
+    sizes: list[int],
+    proxy_softmax_scale: float,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d loss / d q_proxy, d loss / d k_proxy), from d loss / d kl_loss."""
+    layout = BlockLayout.from_op_arguments(
+        row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+    )
+    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, layout,
+                                  (proxy_softmax_scale, softmax_scale))  # fmt: skip
+    batch, _, heads_proxy, _ = q_proxy.shape
+    heads_proxy_keys = k_proxy.shape[2]
+    grad_scale = (grad_loss / lse_proxy.numel()).float().reshape(1)  # on the device: no sync
+    grad_q_proxy = torch.empty_like(q_proxy)
+    _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
+        row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
+        grad_scale=grad_scale, out=grad_q_proxy, kl_rows=lse_proxy,
+        num_q_blocks=layout.num_q_blocks, GRAD=True, **arguments,
+    )  # fmt: skip
+    grad_k_proxy = torch.empty_like(k_proxy)
+    _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
+        t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, lse_proxy=lse_proxy,
+        grad_scale=grad_scale, grad_k_proxy=grad_k_proxy, heads_proxy_keys=heads_proxy_keys,
+        num_kv_blocks=layout.num_kv_blocks, **arguments,
+    )  # fmt: skip
+    return grad_q_proxy, grad_k_proxy
+
+
+@_kl_backward.register_fake
+def _(grad_loss, q_proxy, k_proxy, *rest):
+    return torch.empty_like(q_proxy), torch.empty_like(k_proxy)
+
+
+def _setup_context(ctx, inputs, output):
+    (q_proxy, k_proxy, q, k, lse, documents, row_offsets, col_indices, t_row_offsets,
+     t_col_indices, sizes, proxy_softmax_scale, softmax_scale) = inputs  # fmt: skip
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, output[1], row_offsets,
+                          col_indices, t_row_offsets, t_col_indices)  # fmt: skip
+    ctx.options = dict(sizes=sizes, proxy_softmax_scale=proxy_softmax_scale,
+                       softmax_scale=softmax_scale)  # fmt: skip
+    ctx.mark_non_differentiable(output[1])
+
+
+def _autograd_backward(ctx, grad_loss, _grad_lse_proxy):
+    grad_q_proxy, grad_k_proxy = _kl_backward(grad_loss, *ctx.saved_tensors, **ctx.options)
+    return (grad_q_proxy, grad_k_proxy) + (None,) * 11
+
+
+_kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def proxy_kl_loss(
@@ -293,16 +352,27 @@ def proxy_kl_loss(
     proxy_softmax_scale: float,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """kl_loss (fp32 scalar) of the module docstring; gradients reach q_proxy and k_proxy only.
+    """The KL loss of the module docstring, differentiable in q_proxy and k_proxy only.
 
-    q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p], q [B, S, H_q, D], k [B, S, H_kv, D]
-    and lse fp32 [B, H_q, S] of the main attention over `layout` (causal; layout_heads
-    dividing H_p, layout_batch 1 or B), document_ids int32 [B, S] or None. Inputs are
-    assumed valid (msa_func checks them)."""
+    Inputs are assumed valid (msa_func checks them); this is the tensors' one boundary
+    before the kernels (they are made contiguous here).
+
+    Args:
+        q_proxy: [B, S, H_p, D_p]; k_proxy: [B, S, H_pk, D_p].
+        q: [B, S, H_q, D]; k: [B, S, H_kv, D]; lse: fp32 [B, H_q, S] of the main attention
+            over `layout` (causal; layout_heads dividing H_p, layout_batch 1 or B).
+        softmax_scale, proxy_softmax_scale: the main and the proxy attention's scales.
+        document_ids: int32 [B, S] or None.
+
+    Returns:
+        kl_loss, an fp32 scalar: the mean over (batch, token, proxy head).
+    """
     q_proxy, k_proxy = q_proxy.contiguous(), k_proxy.contiguous()
-    q, k, lse = q.detach(), k.detach(), lse.detach()
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        q, k = q.contiguous(), k.contiguous()
-    count = q_proxy.shape[0] * q_proxy.shape[1] * q_proxy.shape[2]
-    scales = (proxy_softmax_scale, softmax_scale)
-    return _ProxyKL.apply(q_proxy, k_proxy, q, k, lse, document_ids, layout, scales, count)
+    q, k, lse = (tensor.detach().contiguous() for tensor in (q, k, lse))
+    if document_ids is not None:
+        document_ids = document_ids.to(torch.int32).contiguous()
+    loss, _ = _kl_forward(
+        q_proxy, k_proxy, q, k, lse, document_ids, **layout.op_arguments(),
+        proxy_softmax_scale=proxy_softmax_scale, softmax_scale=softmax_scale,
+    )  # fmt: skip
+    return loss

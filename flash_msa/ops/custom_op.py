@@ -14,19 +14,9 @@ import torch
 from flash_msa.layout import BlockLayout
 from flash_msa.ops import registry
 
-LAYOUT_SIZES = ("seq_len_q", "seq_len_kv", "q_block", "kv_block", "layout_batch", "layout_heads")
-
 
 def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-def _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes) -> BlockLayout:
-    """Rebuild the (already validated) layout and its transposed form inside the op."""
-    layout = BlockLayout(
-        row_offsets, col_indices, **dict(zip(LAYOUT_SIZES, sizes, strict=True)), validate=False
-    )
-    return layout.attach_transpose(t_row_offsets, t_col_indices)
 
 
 def _options(causal, window_left, window_right, softmax_scale, document_ids, dropout_p, seed):
@@ -55,7 +45,9 @@ def _forward(
     dropout_seed: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    layout = BlockLayout.from_op_arguments(
+        row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+    )
     options = _options(causal, window_left, window_right, softmax_scale, document_ids,
                        dropout_p, dropout_seed)  # fmt: skip
     return registry.get(backend).forward(q, k, v, layout, **options)
@@ -90,7 +82,9 @@ def _backward(
     dropout_seed: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout = _layout_of(row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    layout = BlockLayout.from_op_arguments(
+        row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+    )
     options = _options(causal, window_left, window_right, softmax_scale, document_ids,
                        dropout_p, dropout_seed)  # fmt: skip
     grad_out = _unit_last_stride(grad_out)
@@ -147,16 +141,11 @@ def sparse_attention(
     dropout_seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of validated inputs on a registered backend, differentiable in q, k, v."""
-    transposed = layout.transpose()
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
     return _forward(
-        q, k, v, row_offsets=layout.row_offsets.contiguous(),
-        col_indices=layout.col_indices.contiguous(),
-        t_row_offsets=transposed.row_offsets.contiguous(),
-        t_col_indices=transposed.col_indices.contiguous(), document_ids=document_ids,
-        sizes=[getattr(layout, name) for name in LAYOUT_SIZES], causal=causal,
+        q, k, v, **layout.op_arguments(), document_ids=document_ids, causal=causal,
         window_left=window_size[0], window_right=window_size[1], softmax_scale=softmax_scale,
         dropout_p=dropout_p, dropout_seed=dropout_seed, backend=backend,
     )  # fmt: skip

@@ -13,10 +13,8 @@ MAX_HEAD_DIM = 256
 
 
 def _check(call: AttentionCall) -> Refusal | None:
-    reason = _env.triton_refusal(call.device, call.dtype)
-    if reason is None:
-        return None
-    return Refusal(reason, TypeError if "bfloat16" in reason else ValueError)
+    refusal = _env.triton_refusal(call.device, call.dtype)
+    return None if refusal is None else Refusal(*refusal)
 
 
 BACKEND = Backend(
