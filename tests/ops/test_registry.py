@@ -1,0 +1,104 @@
+"""The backend registry: dispatch of block_sparse_attn_func, "auto" by speed, and refusals."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flash_msa import _env, block_sparse_attn_func, patterns
+from flash_msa.ops import registry, torch_ref
+from flash_msa.testing import random_qkv
+
+LAYOUT = patterns.causal(64, block_size=16)
+
+
+@pytest.fixture
+def fake_backend():
+    """A backend faster than every other on the CPU, for fp32 and D = 16 only, that records
+    its calls and answers with the torch backend's results."""
+    calls = []
+
+    def forward(q, k, v, layout, **options):
+        calls.append(("forward", options))
+        return torch_ref.attention_forward(q, k, v, layout, **options)
+
+    def backward(grad_out, q, k, v, out, lse, layout, **options):
+        calls.append(("backward", options))
+        return torch_ref.attention_backward(grad_out, q, k, v, out, lse, layout, **options)
+
+    backend = registry.register(
+        registry.Backend(
+            name="fake", forward=forward, backward=backward, speed={"cpu": 100},
+            devices=("cpu",), dtypes=(torch.float32,), head_dims=lambda dim: dim == 16,
+            head_dims_text="16", block_sizes=(16,), dropout=False,
+        )  # fmt: skip
+    )
+    yield backend, calls
+    registry.unregister("fake")
+
+
+def test_auto_takes_the_fastest_backend_that_supports_the_call(fake_backend):
+    _, calls = fake_backend
+    q, k, v = random_qkv(1, 64, 2, 16, requires_grad=True)
+    out = block_sparse_attn_func(q, k, v, LAYOUT, causal=True)
+    out.sum().backward()
+    assert [name for name, _ in calls] == ["forward", "backward"]
+    assert calls[0][1]["causal"] is True and calls[0][1]["softmax_scale"] == 16**-0.5
+    expected = block_sparse_attn_func(q, k, v, LAYOUT, causal=True, backend="torch")
+    assert torch.equal(out, expected)
+
+
+def test_auto_passes_over_a_backend_that_refuses(fake_backend):
+    _, calls = fake_backend
+    q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.float64)  # fake takes float32 only
+    block_sparse_attn_func(q, k, v, LAYOUT, causal=True)
+    q, k, v = random_qkv(1, 64, 2, 16)
+    block_sparse_attn_func(q, k, v, LAYOUT, causal=True, dropout_p=0.1)  # fake has no dropout
+    assert calls == []
+
+
+def test_a_named_backend_that_refuses_says_why(fake_backend):
+    q, k, v = random_qkv(1, 64, 2, 32)
+    with pytest.raises(ValueError, match="backend='fake' cannot run this call: fake takes head "
+                                         "dims 16, not 32"):  # fmt: skip
+        block_sparse_attn_func(q, k, v, LAYOUT, backend="fake")
+    q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.float16)
+    with pytest.raises(TypeError, match="fake takes float32, not float16"):
+        block_sparse_attn_func(q, k, v, LAYOUT, backend="fake")
+
+
+def test_a_call_no_backend_supports_names_each_refusal(monkeypatch, fake_backend):
+    for name in ("torch", "triton"):  # every real backend refuses float64 too
+        refusing = dataclasses.replace(registry.get(name), dtypes=(torch.float32,))
+        monkeypatch.setitem(registry._BACKENDS, name, refusing)
+    q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.float64)
+    with pytest.raises(TypeError) as error:
+        block_sparse_attn_func(q, k, v, LAYOUT)
+    message = str(error.value)
+    assert message.startswith("no backend can run this call: ")
+    for name in ("fake", "torch", "triton"):
+        assert f"{name} takes float32, not float64" in message
+
+
+def test_registration_rules(fake_backend):
+    backend, _ = fake_backend
+    assert "fake" in registry.names()
+    assert registry.get("fake") is backend
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(backend)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        registry.get("cuda")
+
+
+def test_the_declared_support_of_the_real_backends():
+    call = registry.AttentionCall(
+        device=torch.device("cpu"), dtype=torch.float32, head_dim=64, q_block=64, kv_block=128,
+        dropout=True, documents=True, deterministic=True,
+    )  # fmt: skip
+    assert "torch has no bitwise deterministic backward" in registry.get("torch").refusal(call)[0]
+    half_on_cpu = dataclasses.replace(call, dtype=torch.bfloat16)
+    refusal = registry.get("triton").refusal(half_on_cpu)  # interpreted bf16, or no interpreter
+    assert refusal is not None
+    assert refusal.error is (TypeError if _env.interpreting() else ValueError)
+    # on the CPU "auto" never picks the interpreter, which is for tests
+    assert registry.select(dataclasses.replace(call, deterministic=False)).name == "torch"
