@@ -14,7 +14,7 @@ def check_block_size(name: str, value) -> int:
     """A block size must be one of BLOCK_SIZES (an int, not a float or a bool)."""
     if type(value) is not int or value not in BLOCK_SIZES:
         raise ValueError(
-            f"{name} must be one of {BLOCK_SIZES} (an int), got {value!r}; 64 or 128 run fastest"
+            f"{name} must be one of {BLOCK_SIZES}, got {value!r} (an int; 64 or 128 run fastest)"
         )
     return value
 

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from flash_msa import patterns
-from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
-from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.ops import registry
+from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 PatternBuilder = Callable[..., BlockLayout]  # builder(seq_len, *, block_size, device)
@@ -69,7 +70,9 @@ class FlashSparseAttention(_ProjectedAttention):
 
     pattern: a BlockLayout (fixed sequence length) or a builder called as
     pattern(seq_len, block_size=..., device=...) and cached per length and device,
-    e.g. functools.partial(flash_msa.patterns.sliding_window, window=4096).
+    e.g. functools.partial(flash_msa.patterns.sliding_window, window=4096). A builder runs
+    eagerly on the first call at a length: under torch.compile(fullgraph=True), call the
+    layer once before compiling, or pass a BlockLayout.
     """
 
     def __init__(
@@ -93,6 +96,10 @@ class FlashSparseAttention(_ProjectedAttention):
             raise TypeError(
                 f"pattern must be a BlockLayout or a builder, got {type(pattern).__name__}"
             )
+        check_block_size("block_size", block_size)
+        check_options(causal, window_size, None, 0.0, False)
+        if backend != "auto":
+            registry.get(backend)
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
         self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
@@ -177,9 +184,8 @@ class MSAAttention(_ProjectedAttention):
         for name, dim in (("head_dim", self.head_dim), ("proxy_head_dim", proxy_head_dim)):
             if dim % 2 != 0:
                 raise ValueError(f"{name} {dim} must be even: rotary embeddings rotate pairs")
-        for name, size in (("q_block", q_block), ("kv_block", kv_block)):
-            if size not in BLOCK_SIZES:
-                raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {size!r}")
+        check_block_size("q_block", q_block)
+        check_block_size("kv_block", kv_block)
         if q_block > kv_block:
             raise ValueError(
                 f"q_block {q_block} must be <= kv_block {kv_block}: each query block must lie "

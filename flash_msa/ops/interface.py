@@ -86,7 +86,8 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
         )
 
 
-def _check_options(causal, window_size, softmax_scale, dropout_p, deterministic) -> None:
+def check_options(causal, window_size, softmax_scale, dropout_p, deterministic) -> None:
+    """The keyword options of the op (TypeError / ValueError naming the value)."""
     for name, value in (("causal", causal), ("deterministic", deterministic)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -181,7 +182,7 @@ def block_sparse_attn_func(
     """
     _check_tensors(q, k, v)
     _check_layout(layout, q, k)
-    _check_options(causal, window_size, softmax_scale, dropout_p, deterministic)
+    check_options(causal, window_size, softmax_scale, dropout_p, deterministic)
     if document_ids is not None:
         if q.shape[1] != k.shape[1]:
             raise ValueError(
@@ -242,7 +243,7 @@ def block_sparse_attn_varlen_func(
     check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], max_seqlen=max_seqlen, device=q.device)
     q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     _check_layout(layout, q, k)
-    _check_options(causal, window_size, softmax_scale, dropout_p, deterministic)
+    check_options(causal, window_size, softmax_scale, dropout_p, deterministic)
     out, lse = _attention(
         q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
         document_ids_of(cu_seqlens)[None],

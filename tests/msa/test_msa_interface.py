@@ -164,3 +164,25 @@ def test_msa_func_half_precision_on_gpu(dtype):
     expected_main, expected_proxy = _gradients(expected, expected_kl, exact, grad_out.double())
     for got, want in zip([*main, *proxy], [*expected_main, *expected_proxy], strict=True):
         assert relative_error(got, want) < 4 * tolerance
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_compiled_msa_func_matches_eager(warmup):
+    """torch.compile(fullgraph=True) traces the whole step: scores, selection, main attention
+    and KL are custom ops or static-shape tensor code."""
+    torch._dynamo.reset()
+    tensors = _inputs(1, 200, (4, 2, 2, 1), 16, 16, seed=4)
+    grad_out = torch.randn(tensors[2].shape, generator=torch.Generator().manual_seed(5))
+
+    def step(*tensors):
+        return msa_func(*tensors, top_k=2, q_block=32, kv_block=64, warmup=warmup)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (compiled, step):
+        out, kl_loss = run(*tensors)
+        results.append((out, kl_loss, *_gradients(out, kl_loss, tensors, grad_out.to(DEVICE))))
+    (out, kl_loss, main, proxy), (out_eager, kl_eager, main_eager, proxy_eager) = results
+    assert torch.equal(out, out_eager) and torch.equal(kl_loss, kl_eager)
+    for got, want in zip((*main, *proxy), (*main_eager, *proxy_eager), strict=True):
+        assert relative_error(got, want) < 1e-6
