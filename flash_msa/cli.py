@@ -1,29 +1,48 @@
-"""The `flash-msa` command: `demo` (the main job) and `show` (draw a pattern)."""
+"""The flash-msa command: demo runs forward + backward and checks them against a reference,
+show draws a pattern, info prints the versions, the device and the attention backends."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import time
 
 import torch
 
 from flash_msa import patterns
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BLOCK_SIZES, BlockLayout
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
 
-# Builders of a square self-attention layout from sizes alone: `show` draws these.
-SHOWABLE = (
-    "causal",
-    "sliding_window",
-    "global_tokens",
-    "dilated",
-    "random_blocks",
-    "bigbird",
-    "longformer",
-)
+# Builders of a square self-attention layout from sizes alone, which show draws, and what each
+# keeps, in a sentence for --help.
+SHOWABLE = {
+    "causal": "every query sees all keys up to its own position",
+    "sliding_window": "each query sees the keys within WINDOW tokens of it",
+    "global_tokens": "every query sees the first NUM_GLOBAL tokens (sinks)",
+    "dilated": "a sliding window keeping every DILATION-th key block",
+    "random_blocks": "BLOCKS_PER_ROW random key blocks per query block (seeded)",
+    "bigbird": "sliding window + global tokens + random blocks (Zaheer et al., 2020)",
+    "longformer": "sliding window + global tokens (Beltagy et al., 2020)",
+}
+
+# Help of the builders' options: what each means and its unit; the default is added.
+OPTION_HELP = {
+    "seq_len": "sequence length in tokens, of queries and keys",
+    "window": "tokens a query sees on each side it looks, only before it when causal",
+    "num_global": "global (sink) tokens at the start, seen by every query",
+    "dilation": "keep every DILATION-th key block of the window, counted in blocks (1 keeps all)",
+    "blocks_per_row": "random key blocks per query block, counted in blocks",
+    "num_random": "random key blocks per query block, counted in blocks",
+    "seed": "seed of the random blocks: the same seed gives the same layout on any device",
+    "causal": "keep only keys at or before each query; --no-causal looks both ways",
+    "block_size": f"block size in tokens for queries and keys, one of {BLOCK_SIZES}",
+    "q_block": "query block size in tokens (default: BLOCK_SIZE)",
+    "kv_block": "key/value block size in tokens (default: BLOCK_SIZE)",
+}
+NOT_OPTIONS = ("device", "cu_seqlens")  # tensors and devices: not for the command line
 
 
 def _timed(fn, device: torch.device) -> tuple[object, float]:
@@ -41,7 +60,7 @@ def demo(args: argparse.Namespace) -> int:
     """Sliding window + global tokens: forward and backward, checked against a reference."""
     on_gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if on_gpu else "cpu")
-    seq_len = args.seq_len or (16384 if on_gpu else 2048)
+    seq_len = args.seq_len if args.seq_len is not None else (16384 if on_gpu else 2048)
     heads, head_dim = (8, 128) if on_gpu else (4, 64)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     window, num_global = seq_len // 8, args.block_size
@@ -115,61 +134,223 @@ def show(args: argparse.Namespace) -> int:
     options = {
         name: getattr(args, name)
         for name in inspect.signature(builder).parameters
-        if name not in ("device",) and getattr(args, name, None) is not None
+        if name not in NOT_OPTIONS and getattr(args, name, None) is not None
     }
     layout: BlockLayout = builder(**options)
-    print(layout)
     if args.out:
         layout.plot(args.out)
-        print(f"wrote {args.out}")
+        print(f"{layout}\nwrote {args.out}")
     else:
-        print(layout.show(max_blocks=args.max_blocks))
+        picture = layout.show(max_blocks=args.max_blocks)
+        print(f"{layout}\n{picture}")
     return 0
+
+
+# Names of Backend fields in info's listing (others are shown by their own name).
+FIELD_LABELS = {
+    "speed": "auto rank",
+    "head_dims_text": "head dims",
+    "min_capability": "compute capability",
+    "documents": "document masks",
+    "deterministic": "deterministic backward",
+}
+
+
+def _describe_field(name: str, value) -> str:
+    """A Backend field and its value in words."""
+    label = FIELD_LABELS.get(name, name.replace("_", " "))
+    if isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif value is None:
+        text = "any"
+    elif name == "min_capability":
+        text = ".".join(map(str, value)) + " or newer"
+    elif isinstance(value, dict):
+        text = ", ".join(f"{key} {rank}" for key, rank in value.items()) or "none"
+    elif isinstance(value, tuple):
+        text = ", ".join(str(item).removeprefix("torch.") for item in value)
+    else:
+        text = str(value)
+    return f"{label} {text}"
+
+
+def info(args: argparse.Namespace) -> int:
+    """Versions, the device, the Triton interpreter, and what each backend supports."""
+    import importlib.metadata
+    import platform
+
+    import numpy
+    import triton
+
+    from flash_msa import _env
+    from flash_msa.ops import registry
+
+    try:
+        version = importlib.metadata.version("flash-msa")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed)"
+    print(f"flash-msa {version}")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, numpy {numpy.__version__}"
+    )
+    if torch.cuda.is_available():
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+        major, minor = _env.capability(device)
+        print(
+            f"device: {device} ({torch.cuda.get_device_name(device)}, compute capability "
+            f"{major}.{minor}; {torch.cuda.device_count()} visible)"
+        )
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        print("device: cpu (no CUDA device)")
+    print(
+        f"Triton interpreter: {'on' if _env.interpreting() else 'off'} "
+        "(TRITON_INTERPRET=1 before importing flash_msa runs the Triton kernels on the CPU)"
+    )
+    call = registry.AttentionCall(
+        device=device, dtype=dtype, head_dim=128, q_block=128, kv_block=128, dropout=False,
+        documents=False, deterministic=False,
+    )  # fmt: skip
+    example = f"{device.type}, {str(dtype).removeprefix('torch.')}, D=128, blocks of 128"
+    print(
+        "backends (auto rank: 'auto' tries higher first; a device type not ranked: by name only):"
+    )
+    for name in registry.names():
+        backend = registry.get(name)
+        fields = [
+            _describe_field(field.name, getattr(backend, field.name))
+            for field in dataclasses.fields(backend)
+            if field.name != "name" and not callable(getattr(backend, field.name))
+        ]
+        refusal = backend.refusal(call)
+        print(f"  {name}: " + "; ".join(fields))
+        print(f"    {example}: " + ("runs" if refusal is None else f"refused ({refusal.reason})"))
+    try:
+        print(f"'auto' picks {registry.select(call).name} for {example}")
+    except (ValueError, TypeError) as error:
+        print(f"'auto' picks none for {example}: {error}")
+    return 0
+
+
+def _block_size(name: str):
+    """An argparse type: an int block size in BLOCK_SIZES, or an error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be an int number of tokens, got {text!r}"
+            ) from None
+        if value not in BLOCK_SIZES:
+            raise argparse.ArgumentTypeError(
+                f"{name} {value} is not one of {BLOCK_SIZES}; 64 or 128 run fastest"
+            )
+        return value
+
+    return parse
+
+
+def _with_default(text: str, default) -> str:
+    return text if "default:" in text else f"{text} (default: {default})"
 
 
 def _add_builder_options(parser: argparse.ArgumentParser, builder) -> None:
     """One option per builder parameter: --seq-len, --window, --causal/--no-causal, ..."""
+    docs = _argument_docs(builder)
     for name, parameter in inspect.signature(builder).parameters.items():
-        if name == "device":
+        if name in NOT_OPTIONS:
             continue
         flag = "--" + name.replace("_", "-")
+        text = OPTION_HELP.get(name) or docs.get(name) or name.replace("_", " ")
+        kind = _block_size(name) if name in ("block_size", "q_block", "kv_block") else int
         if isinstance(parameter.default, bool):
-            parser.add_argument(
+            action = parser.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=parameter.default
             )
+            # Set after construction: some Pythons' BooleanOptionalAction append their own.
+            action.help = f"{text} (default: {'--' if parameter.default else '--no-'}{flag[2:]})"
         elif parameter.default is inspect.Parameter.empty:
             default = 4096 if name == "seq_len" else None
             parser.add_argument(
-                flag, dest=name, type=int, default=default, required=default is None
-            )
+                flag, dest=name, type=kind, default=default, required=default is None,
+                help=f"{text} (required)" if default is None else _with_default(text, default),
+            )  # fmt: skip
         else:
-            parser.add_argument(flag, dest=name, type=int, default=parameter.default)
+            parser.add_argument(
+                flag, dest=name, type=kind, default=parameter.default,
+                help=_with_default(text, parameter.default),
+            )  # fmt: skip
+
+
+def _argument_docs(builder) -> dict[str, str]:
+    """name -> first line of its entry under Args: in the builder's docstring (a fallback
+    for parameters OPTION_HELP does not describe)."""
+    docs, inside = {}, False
+    for line in (inspect.getdoc(builder) or "").splitlines():
+        inside = inside or line.strip() == "Args:"
+        name, colon, text = line.strip().partition(":")
+        if inside and colon and line.startswith("    ") and not line.startswith("        "):
+            docs[name] = text.strip().rstrip(".").replace("`", "")
+    return docs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flash-msa", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="run forward + backward and check it")
-    demo_parser.add_argument("--seq-len", type=int, default=None)
-    demo_parser.add_argument("--block-size", type=int, default=128)
-    demo_parser.add_argument("--seed", type=int, default=0)
-    demo_parser.add_argument("--cpu", action="store_true", help="stay on the CPU")
-    demo_parser.set_defaults(run=demo)
-    show_parser = commands.add_parser("show", help="draw a pattern (ASCII, or PNG with --out)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_help = "run forward + backward on a sliding window + global tokens layout and check it"
+    demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help + ".")
+    demo_parser.add_argument(
+        "--seq-len", type=int, default=None,
+        help="sequence length in tokens (default: 16384 on a GPU, 2048 on the CPU)",
+    )  # fmt: skip
+    demo_parser.add_argument(
+        "--block-size", type=_block_size("block_size"), default=128,
+        help=f"block size in tokens, one of {BLOCK_SIZES} (default: 128)",
+    )  # fmt: skip
+    demo_parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random inputs (default: 0)"
+    )
+    demo_parser.add_argument(
+        "--cpu", action="store_true", help="run on the CPU even when a GPU is present"
+    )
+    demo_parser.set_defaults(run=demo, parser=demo_parser)
+    show_help = "draw a pattern: ASCII, or a PNG with --out"
+    show_parser = commands.add_parser("show", help=show_help, description=show_help + ".")
     builders = show_parser.add_subparsers(dest="pattern", required=True, metavar="PATTERN")
-    for name in SHOWABLE:
+    for name, description in SHOWABLE.items():
         builder = getattr(patterns, name)
-        sub = builders.add_parser(name, help=inspect.getdoc(builder).splitlines()[0])
+        sub = builders.add_parser(name, help=description, description=description + ".")
         _add_builder_options(sub, builder)
-        sub.add_argument("--out", default=None, help="write a PNG here")
-        sub.add_argument("--max-blocks", type=int, default=32)
-        sub.set_defaults(run=show)
+        sub.add_argument(
+            "--out", default=None, metavar="PATH",
+            help="write a PNG picture to PATH instead of printing ASCII "
+            "(needs matplotlib: pip install 'flash-msa[plot]')",
+        )  # fmt: skip
+        sub.add_argument(
+            "--max-blocks", type=int, default=32,
+            help="blocks drawn per side of the ASCII picture (default: 32)",
+        )  # fmt: skip
+        sub.set_defaults(run=show, parser=sub)
+    info_help = "print the versions, the device, the Triton interpreter and the backends"
+    info_parser = commands.add_parser("info", help=info_help, description=info_help + ".")
+    info_parser.set_defaults(run=info, parser=info_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; a value the library refuses ends like a bad argument: one error line
+    after the usage, exit status 2."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as error:
+        args.parser.error(str(error))
+    except ModuleNotFoundError as error:
+        if error.name != "matplotlib":
+            raise
+        args.parser.error(str(error))
 
 
 if __name__ == "__main__":
