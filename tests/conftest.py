@@ -18,7 +18,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu: run on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
