@@ -86,22 +86,37 @@ def msa_func(
     return_layout: bool = False,
 ):
     """MiniMax Sparse Attention, causal: the proxy picks key blocks, the main attention runs
-    over them, and kl_loss trains the proxy. Returns (out, kl_loss[, layout]).
+    over them, and kl_loss trains the proxy.
 
-    q [B, S, H_q, D], k, v [B, S, H_kv, D]; q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p];
-    H_q a multiple of H_p, H_p of H_kv and of H_pk. With cu_seqlens (int32 [N + 1]) every
-    tensor is packed [T, H, D] and nothing crosses a document.
-    - Selection (no gradient): score(b, c) = max causal proxy logit over query block b and
-      kv block c; each (query block, proxy head) keeps its diagonal block plus the top_k - 1
-      best earlier ones, ties to the lower index. warmup=True keeps every causal block.
-    - out: block-sparse attention over that layout (layout_heads = H_p: a proxy head's query
-      heads share their K/V loads); gradients as for block_sparse_attn_func.
-    - kl_loss: fp32 scalar, mean over (token, proxy head) of KL(teacher || student) over the
-      keys the main attention used; teacher = the main probabilities averaged over the proxy
-      head's query heads (detached), student = softmax of proxy_softmax_scale * q_proxy .
-      k_proxy. Its gradient reaches q_proxy and k_proxy only: add it to the loss with a weight.
-    - layout (return_layout=True): the BlockLayout used, layout_batch B, layout_heads H_p
-      (1 under warmup).
+    Selection (no gradient): score(b, c) = the largest causal proxy logit over query block b
+    and kv block c; each (query block, proxy head) keeps its diagonal block plus the
+    top_k - 1 best earlier ones, ties to the lower index (patterns.topk with fixed_counts).
+
+    Args:
+        q_proxy: [B, S, H_p, D_p]; k_proxy: [B, S, H_pk, D_p].
+        q: [B, S, H_q, D]; k, v: [B, S, H_kv, D]; H_q a multiple of H_p, H_p of H_kv and of
+            H_pk. With cu_seqlens every tensor is packed [T, H, D].
+        top_k: key blocks per (query block, proxy head), the diagonal one included.
+        q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128).
+        softmax_scale, proxy_softmax_scale: default 1 / sqrt(D) and 1 / sqrt(D_p).
+        cu_seqlens: int32 [N + 1] of packed documents; nothing crosses a document.
+        warmup: attend over every causal block (dense) while the proxy trains on the full
+            causal context.
+        return_layout: also return the BlockLayout used (layout_batch B, layout_heads H_p;
+            1 under warmup).
+
+    Returns:
+        out like q (gradients as for block_sparse_attn_func; layout_heads = H_p, so a proxy
+        head's query heads share their K/V loads), kl_loss: fp32 scalar, the mean over
+        (token, proxy head) of KL(teacher || student) over the keys the main attention
+        used; teacher = the main probabilities averaged over the proxy head's query heads
+        (detached), student = softmax of proxy_softmax_scale * q_proxy . k_proxy. Its
+        gradient reaches q_proxy and k_proxy only: add it to the loss with a weight.
+        [, layout].
+
+    Examples:
+        >>> out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, top_k=16)
+        >>> (task_loss(out) + 0.1 * kl_loss).backward()
     """
     _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens)
     refusal = _env.triton_refusal(q.device, q.dtype)
