@@ -1,0 +1,114 @@
+"""The Gluon kernels' sm_90 code without a GPU: compile for Hopper, then read what the
+ptxas Triton bundles reports and the SASS.
+
+Needs a process in which TRITON_INTERPRET is not set (the tests run it in a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import triton
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.path.join(BIN, "ptxas")
+CUOBJDUMP = os.path.join(BIN, "cuobjdump")
+TARGET = ("cuda", 90, 32)
+SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
+
+
+def available() -> str | None:
+    """Why the sm_90 compile cannot run here, or None if it can."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return "this Triton has no Gluon dialect"
+    for tool in (PTXAS, CUOBJDUMP):
+        if not os.path.exists(tool):
+            return f"this Triton build bundles no {os.path.basename(tool)}"
+    return None
+
+
+def _descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
+    from triton.experimental.gluon import language as gl
+
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
+    return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
+
+
+def overlapped_exponentials(sass: str) -> int:
+    """The most MUFU.EX2 that sit between a wgmma wait leaving one group in flight
+    (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next full wait (..., 0x0): the exponentials
+    that run while the P V matmul does (0 if ptxas hoisted the full wait above them)."""
+    best, count = 0, None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE" in line:
+            if line.rstrip(" ;").endswith("0x1") or "gsb0, 0x1" in line:
+                count = 0
+            elif count is not None:
+                best, count = max(best, count), None
+        elif count is not None and "MUFU.EX2" in line:
+            count += 1
+    return best
+
+
+def compile_forward(
+    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 3,
+    pingpong: bool = True,
+) -> dict:  # fmt: skip
+    """Compile forward._forward_kernel for sm_90a and report {"registers": what ptxas
+    allocates a thread at launch, "max_register": 1 + the highest register the SASS names
+    (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets,
+    "spills": bytes of spill stores, "shared": bytes of shared memory, "wgmma": whether it
+    uses Hopper's warpgroup MMA, "overlapped_exps": see overlapped_exponentials,
+    "sass": path of the SASS listing}."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flash_msa.ops.gluon import forward
+
+    kernel = forward._forward_kernel
+    types = dict(
+        q_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
+        o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
+        k_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        v_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        lse="*fp32", row_offsets="*i32", col_indices="*i32", qk_scale="fp32",
+    )  # fmt: skip
+    constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong)
+    signature = {
+        arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names
+    }
+    compiled = triton.compile(
+        GluonASTSource(kernel, signature, constexprs), target=GPUTarget(*TARGET),
+        options=dict(num_warps=4, maxnreg=forward.MAX_REGISTERS),
+    )  # fmt: skip
+    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{'pingpong' if pingpong else 'plain'}"
+    ptx = os.path.join(workdir, name + ".ptx")
+    with open(ptx, "w") as handle:
+        handle.write(compiled.asm["ptx"])
+    cubin = ptx + ".cubin"
+    report = subprocess.run(
+        [PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    sass = subprocess.run(
+        [CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    sass_path = os.path.join(workdir, name + ".sass")
+    with open(sass_path, "w") as handle:
+        handle.write(sass)
+    registers = [int(number) for number in re.findall(r"\bR(\d+)\b", sass)]
+    return dict(
+        registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+        max_register=max(registers) + 1 if registers else 0,
+        setmaxnreg=sorted({int(n) for n in re.findall(SETMAXNREG, compiled.asm["ptx"])}),
+        spills=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        shared=compiled.metadata.shared,
+        wgmma="wgmma.mma_async" in compiled.asm["ptx"],
+        overlapped_exps=overlapped_exponentials(sass),
+        sass=sass_path,
+    )
