@@ -317,9 +317,13 @@ def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _check(q, k, v, row_offsets, col_indices, layout_batch, num_stages) -> tuple[int, int]:
+def _check(
+    q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, num_stages
+) -> tuple[int, int]:
     """ValueError / TypeError for what the kernel does not handle; returns the layout's
     (batch stride, head divisor)."""
+    if not isinstance(softmax_scale, (int, float)) or not 0 < softmax_scale < float("inf"):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, S, H, D], got {_describe(tensor)}")
@@ -419,7 +423,7 @@ def attention_forward(
             BlockLayout holds them, q_block = kv_block = 128); L = layout_batch x
             layout_heads, layout_heads in {1, H_kv, H_q}.
         col_indices: int32 [nnz], the active kv blocks of each row (valid indices).
-        softmax_scale: the factor of Q K^T before the softmax.
+        softmax_scale: the factor of Q K^T before the softmax (positive).
         layout_batch: 1 (one layout for every batch element) or B.
         num_stages: depth of the K/V shared-memory ring.
         pingpong: the two consumer warpgroups take turns to issue their matmuls.
@@ -435,7 +439,7 @@ def attention_forward(
         ...                              softmax_scale=q.shape[-1] ** -0.5)
     """
     layout_batch_stride, layout_head_divisor = _check(
-        q, k, v, row_offsets, col_indices, layout_batch, num_stages
+        q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, num_stages
     )
     q, k, v = (_rows_contiguous(tensor) for tensor in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
