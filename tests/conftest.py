@@ -2,10 +2,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Triton kernels run on the CPU through the interpreter; it must be chosen before they compile.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# HYPOTHESIS_PROFILE=long: the property tests run many more cases, fresh ones each run.
+settings.register_profile(
+    "long", max_examples=2000, deadline=None, database=None, print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config):

@@ -1,5 +1,5 @@
 """The block-sparse op as a torch.library custom op: torch.compile traces through it, and
-autograd reaches the chosen backend's backward.
+autograd (torch.func's transforms included) reaches the chosen backend's backward.
 
 The layout travels as its CSR and CSC tensors plus its sizes; the backend by name, resolved
 through the registry inside the op. This is the one place where the tensors the kernels
@@ -126,6 +126,84 @@ def _autograd_backward(ctx, grad_out, _grad_lse):
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _fold(tensor: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
+    """[size * B, ...] of a tensor vmapped at dim (or not: `size` equal copies)."""
+    tensor = tensor.expand(size, *tensor.shape) if dim is None else tensor.movedim(dim, 0)
+    return tensor.flatten(0, 1)
+
+
+def _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes):
+    """The layout of `size` batches stacked into one: a shared layout (layout_batch 1) as is,
+    per-batch-element ones repeated (offsets shift by nnz per copy)."""
+    if sizes[4] == 1:
+        return row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+    shift = torch.arange(size, device=row_offsets.device, dtype=row_offsets.dtype)
+    shift = shift[:, None, None] * col_indices.numel()
+    return (
+        (row_offsets + shift).flatten(0, 1), col_indices.repeat(size),
+        (t_row_offsets + shift).flatten(0, 1), t_col_indices.repeat(size),
+        [*sizes[:4], sizes[4] * size, sizes[5]],
+    )  # fmt: skip
+
+
+def _refuse_batched_layout(in_dims) -> None:
+    if any(dim is not None for dim in in_dims):
+        raise ValueError(
+            "vmap over a layout's tensors is not supported: vmap over q, k, v (and document "
+            "ids) with one BlockLayout, or stack the layouts (patterns.stack)"
+        )
+
+
+@_forward.register_vmap
+def _(info, in_dims, q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices,
+      document_ids, sizes, *options):  # fmt: skip
+    """vmap folds its dimension into the batch: one launch, not one per vmapped element."""
+    _refuse_batched_layout(in_dims[3:7])
+    size = info.batch_size
+    q, k, v = (_fold(t, dim, size) for t, dim in zip((q, k, v), in_dims, strict=False))
+    if document_ids is not None:
+        document_ids = _fold(document_ids, in_dims[7], size)
+    layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    out, lse = _forward(q, k, v, *layout[:4], document_ids, layout[4], *options)
+    return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
+
+
+@_backward.register_vmap
+def _(info, in_dims, grad_out, q, k, v, out, lse, row_offsets, col_indices, t_row_offsets,
+      t_col_indices, document_ids, sizes, *options):  # fmt: skip
+    _refuse_batched_layout(in_dims[6:10])
+    size = info.batch_size
+    tensors = [_fold(t, dim, size) for t, dim in zip((grad_out, q, k, v, out, lse), in_dims,
+                                                     strict=False)]  # fmt: skip
+    if document_ids is not None:
+        document_ids = _fold(document_ids, in_dims[10], size)
+    layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    grads = _backward(*tensors, *layout[:4], document_ids, layout[4], *options)
+    return tuple(grad.unflatten(0, (size, -1)) for grad in grads), (0, 0, 0)
+
+
+class _SparseAttention(torch.autograd.Function):
+    """The op under autograd for callers of sparse_attention: a Function with setup_context,
+    which torch.func transforms (grad, vjp, vmap of either) accept, where they refuse the one
+    register_autograd makes. Its backward is not differentiable (an error, not a silent zero,
+    if a double backward reaches it)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
+                sizes, causal, window_left, window_right, softmax_scale, dropout_p,
+                dropout_seed, backend):  # fmt: skip
+        return _forward(
+            q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
+            sizes, causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
+            backend,
+        )  # fmt: skip
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(torch.autograd.function.once_differentiable(_autograd_backward))
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,7 +222,11 @@ def sparse_attention(
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
-    return _forward(
+    # Under torch.func's transforms through the Function they accept; else the op itself
+    # (torch.compile warns on tracing any autograd.Function).
+    functorch = not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
+    attention = _SparseAttention.apply if functorch else _forward
+    return attention(
         q, k, v, **layout.op_arguments(), document_ids=document_ids, causal=causal,
         window_left=window_size[0], window_right=window_size[1], softmax_scale=softmax_scale,
         dropout_p=dropout_p, dropout_seed=dropout_seed, backend=backend,

@@ -13,6 +13,9 @@ from flash_msa.ops.custom_op import sparse_attention
 from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: torch only
+# Beyond this, softmax is a hard maximum for inputs of unit scale, and scale * q.k overflows
+# fp32 (NaN) for inputs that fp32 logits otherwise hold; below it, any fp16 input stays finite.
+MAX_SOFTMAX_SCALE = 1e4
 
 
 def _is_int(value) -> bool:
@@ -63,6 +66,7 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
             f"layout must be a flash_msa.BlockLayout, got {type(layout).__name__}; "
             "build one with flash_msa.patterns"
         )
+    layout.check_unchanged()
     if layout.device != q.device:
         raise ValueError(
             f"layout is on {layout.device} but q on {q.device}; use layout.to(q.device)"
@@ -86,9 +90,13 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
         )
 
 
-def check_options(causal, window_size, softmax_scale, dropout_p, deterministic) -> None:
+def check_options(
+    causal, window_size, softmax_scale, dropout_p, deterministic, return_lse=False
+) -> None:
     """The keyword options of the op (TypeError / ValueError naming the value)."""
-    for name, value in (("causal", causal), ("deterministic", deterministic)):
+    for name, value in (
+        ("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)
+    ):  # fmt: skip
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if (
@@ -99,12 +107,14 @@ def check_options(causal, window_size, softmax_scale, dropout_p, deterministic) 
         raise ValueError(
             f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}"
         )
-    if softmax_scale is not None and not (
-        isinstance(softmax_scale, (int, float))
-        and not isinstance(softmax_scale, bool)
-        and math.isfinite(softmax_scale)
-        and softmax_scale > 0
-    ):
+    real = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if real and softmax_scale > MAX_SOFTMAX_SCALE:  # inf too; comparisons never overflow
+        raise ValueError(
+            f"softmax_scale must be at most {MAX_SOFTMAX_SCALE:g}, got {softmax_scale!r}: "
+            "larger scales overflow the fp32 logits scale * q.k into NaN (the default is "
+            "1 / sqrt(head_dim))"
+        )
+    if softmax_scale is not None and not (real and softmax_scale > 0):  # NaN fails here
         raise ValueError(
             f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
         )
@@ -130,8 +140,11 @@ def _attention(
     # A fresh Philox seed per call from PyTorch's default generator (torch.manual_seed).
     seed = int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    # A window as long as the sequences is unbounded: kernels get ints that fit int64.
+    longest = max(layout.seq_len_q, layout.seq_len_kv)
+    window_size = tuple(min(side, longest) for side in window_size)
     return sparse_attention(
-        q, k, v, layout, backend=chosen.name, causal=causal, window_size=tuple(window_size),
+        q, k, v, layout, backend=chosen.name, causal=causal, window_size=window_size,
         softmax_scale=scale, document_ids=document_ids, dropout_p=float(dropout_p),
         dropout_seed=seed,
     )  # fmt: skip
@@ -163,7 +176,7 @@ def block_sparse_attn_func(
             query head h.
         causal: keep j <= i.
         window_size: (left, right) keeps i - left <= j <= i + right; -1 is unbounded.
-        softmax_scale: defaults to 1 / sqrt(D).
+        softmax_scale: defaults to 1 / sqrt(D); at most 1e4 (larger overflows fp32 logits).
         dropout_p: probability of dropping an attention weight (training).
         return_lse: also return the log-sum-exp of the scores.
         backend: "auto" (the fastest backend that supports the call) or a registered name
@@ -182,7 +195,7 @@ def block_sparse_attn_func(
     """
     _check_tensors(q, k, v)
     _check_layout(layout, q, k)
-    check_options(causal, window_size, softmax_scale, dropout_p, deterministic)
+    check_options(causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
     if document_ids is not None:
         if q.shape[1] != k.shape[1]:
             raise ValueError(
@@ -243,7 +256,7 @@ def block_sparse_attn_varlen_func(
     check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], max_seqlen=max_seqlen, device=q.device)
     q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     _check_layout(layout, q, k)
-    check_options(causal, window_size, softmax_scale, dropout_p, deterministic)
+    check_options(causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
     out, lse = _attention(
         q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
         document_ids_of(cu_seqlens)[None],

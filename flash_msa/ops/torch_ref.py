@@ -4,8 +4,10 @@ Any device and dtype (float64 for ground truth), memory bounded by a chunk of qu
 (never S x S). Scores, softmax and the weighted sum are computed in fp32 (fp64 for fp64
 inputs), as the kernels do. The backward recomputes the forward under autograd. Dropout
 draws its own bits from a generator seeded by the call's seed (a different stream from the
-Triton kernels' Philox bits, but the same for the forward and its backward). Not bitwise
-reproducible on every device (CPU reductions may reorder between runs): the kernels are.
+Triton kernels' Philox bits, but the same for the forward and its backward). Its backward
+is not bitwise reproducible (CPU reductions may reorder between runs, about 1e-7 apart): the
+registry says so, and block_sparse_attn_func(..., deterministic=True) refuses this backend.
+The Triton kernels' backward is reproducible (no atomics).
 """
 
 from __future__ import annotations
