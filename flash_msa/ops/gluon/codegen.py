@@ -64,7 +64,7 @@ def compile_forward(
     (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets,
     "spills": bytes of spill stores, "shared": bytes of shared memory, "wgmma": whether it
     uses Hopper's warpgroup MMA, "overlapped_exps": see overlapped_exponentials,
-    "sass": path of the SASS listing}."""
+    "warnings": ptxas's warnings (e.g. wgmma serialised), "sass": path of the SASS}."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -110,5 +110,6 @@ def compile_forward(
         shared=compiled.metadata.shared,
         wgmma="wgmma.mma_async" in compiled.asm["ptx"],
         overlapped_exps=overlapped_exponentials(sass),
+        warnings=[line.strip() for line in report.splitlines() if "warning" in line.lower()],
         sass=sass_path,
     )
