@@ -226,8 +226,10 @@ def sparse_attention(
     # (torch.compile warns on tracing any autograd.Function).
     functorch = not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
     attention = _SparseAttention.apply if functorch else _forward
+    tensors = layout.op_arguments()
+    # Positional: torch.func's transforms refuse keyword tensors to a Function (torch 2.11).
     return attention(
-        q, k, v, **layout.op_arguments(), document_ids=document_ids, causal=causal,
-        window_left=window_size[0], window_right=window_size[1], softmax_scale=softmax_scale,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, backend=backend,
+        q, k, v, tensors["row_offsets"], tensors["col_indices"], tensors["t_row_offsets"],
+        tensors["t_col_indices"], document_ids, tensors["sizes"], causal, window_size[0],
+        window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
     )  # fmt: skip
