@@ -51,7 +51,8 @@ def document_ids_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """int32 [T]: the document of each packed token (empty documents own no token)."""
     total = int(cu_seqlens[-1])
     positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return (torch.searchsorted(cu_seqlens, positions, right=True) - 1).int()
+    boundaries = cu_seqlens.contiguous()  # a strided view works, but searchsorted warns
+    return (torch.searchsorted(boundaries, positions, right=True) - 1).int()
 
 
 def check_document_ids(document_ids: torch.Tensor, batch: int, seq_len: int, device) -> None:

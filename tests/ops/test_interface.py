@@ -1,9 +1,17 @@
 """Bad input gets a ValueError or TypeError that names the value and the fix."""
 
+import warnings
+
 import pytest
 import torch
 
-from flash_msa import BlockLayout, _env, block_sparse_attn_func, patterns
+from flash_msa import (
+    BlockLayout,
+    _env,
+    block_sparse_attn_func,
+    block_sparse_attn_varlen_func,
+    patterns,
+)
 from flash_msa.testing import random_qkv, relative_error
 
 needs_interpreter = pytest.mark.skipif(
@@ -262,3 +270,15 @@ def test_layout_changed_in_place_is_refused():
     args = inputs()
     with pytest.raises(ValueError, match="layout.col_indices was modified in place"):
         block_sparse_attn_func(args["q"], args["k"], args["v"], layout)
+
+
+def test_a_strided_cu_seqlens_view_gives_the_contiguous_result():
+    cu_seqlens = torch.tensor([0, 20, 20, 64], dtype=torch.int32)
+    strided = torch.stack([cu_seqlens, cu_seqlens * 0], 1)[:, 0]
+    q, k, v = (t[0] for t in random_qkv(1, 64, 2, 16, seed=18))
+    layout = patterns.causal(64, block_size=16, cu_seqlens=cu_seqlens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # searchsorted warned on strided boundaries
+        out = block_sparse_attn_varlen_func(q, k, v, strided, 44, layout, causal=True)
+    expected = block_sparse_attn_varlen_func(q, k, v, cu_seqlens, 44, layout, causal=True)
+    assert torch.equal(out, expected)
