@@ -10,6 +10,11 @@ BLOCK_SIZES = (16, 32, 64, 128)
 DENSE_LIMIT = 1 << 28  # elements of to_dense() before it refuses (256 MiB of bool)
 
 
+def _check_positive_int(name: str, value) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def check_block_size(name: str, value) -> int:
     """A block size must be one of BLOCK_SIZES (an int, not a float or a bool)."""
     if type(value) is not int or value not in BLOCK_SIZES:
@@ -48,8 +53,7 @@ class BlockLayout:
         seq_len_kv = seq_len_q if seq_len_kv is None else seq_len_kv
         kv_block = q_block if kv_block is None else kv_block
         for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _check_positive_int(name, value)
         check_block_size("q_block", q_block)
         check_block_size("kv_block", kv_block)
         for name, tensor in (("row_offsets", row_offsets), ("col_indices", col_indices)):
@@ -66,8 +70,10 @@ class BlockLayout:
         self.num_q_blocks = math.ceil(seq_len_q / q_block)
         self.num_kv_blocks = math.ceil(seq_len_kv / kv_block)
         num_layouts = row_offsets.shape[0] if row_offsets.dim() == 2 else -1
+        _check_positive_int("layout_batch", layout_batch)
         if layout_heads is None:
             layout_heads = max(num_layouts, 1) // layout_batch
+        _check_positive_int("layout_heads", layout_heads)
         self.layout_batch = layout_batch
         self.layout_heads = layout_heads
         self._transposed: BlockLayout | None = None
@@ -341,6 +347,8 @@ class BlockLayout:
     # ---- set algebra ---------------------------------------------------------------
     def expand(self, layout_batch: int, layout_heads: int) -> BlockLayout:
         """Repeat a broadcast (size-1) batch or head dimension to the given sizes."""
+        _check_positive_int("layout_batch", layout_batch)
+        _check_positive_int("layout_heads", layout_heads)
         if (layout_batch, layout_heads) == (self.layout_batch, self.layout_heads):
             return self
         for name, have, want in (

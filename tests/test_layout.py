@@ -252,3 +252,20 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'flash-msa\[plot\]'"):
         patterns.causal(256).plot(str(tmp_path / "causal.png"))
+
+
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        ({"seq_len_q": True}, "seq_len_q must be a positive int, got True"),
+        ({"layout_batch": 0}, "layout_batch must be a positive int, got 0"),
+        ({"layout_heads": 0}, "layout_heads must be a positive int, got 0"),
+    ],
+)
+def test_sizes_are_positive_ints(sizes, match):
+    causal = patterns.causal(256, block_size=64)
+    with pytest.raises(ValueError, match=match):
+        BlockLayout(causal.row_offsets, causal.col_indices, **{"seq_len_q": 256, "q_block": 64,
+                                                                **sizes})  # fmt: skip
+    with pytest.raises(ValueError, match="layout_batch must be a positive int, got 0"):
+        causal.expand(0, 1)

@@ -10,11 +10,13 @@ from flash_msa import _env, patterns
 from flash_msa.layout import check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.kl import proxy_kl_loss
-from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 
-def _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens) -> None:
+def _check(
+    q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens
+) -> None:
     rank = 3 if cu_seqlens is not None else 4
     shape = "[T, H, D]" if rank == 3 else "[B, S, H, D]"
     named = (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("q", q), ("k", k), ("v", v))
@@ -52,6 +54,11 @@ def _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens) -> N
         )
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     heads_proxy, heads_proxy_keys = q_proxy.shape[-2], k_proxy.shape[-2]
+    if min(heads_q, heads_kv, heads_proxy, heads_proxy_keys, q.shape[-1], q_proxy.shape[-1]) < 1:
+        raise ValueError(
+            f"every head count and head dim must be at least 1, got q {list(q.shape)}, "
+            f"k {list(k.shape)}, q_proxy {list(q_proxy.shape)}, k_proxy {list(k_proxy.shape)}"
+        )
     if heads_q % heads_proxy or heads_proxy % heads_kv or heads_proxy % heads_proxy_keys:
         raise ValueError(
             f"need H_q ({heads_q}) a multiple of H_p ({heads_proxy}), and H_p a multiple of "
@@ -62,6 +69,7 @@ def _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens) -> N
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     check_block_size("q_block", q_block)
     check_block_size("kv_block", kv_block)
+    check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
     if q_block > kv_block:
         raise ValueError(
             f"q_block ({q_block}) must be <= kv_block ({kv_block}) so that a query block lies in "
@@ -118,7 +126,7 @@ def msa_func(
         >>> out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, top_k=16)
         >>> (task_loss(out) + 0.1 * kl_loss).backward()
     """
-    _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, cu_seqlens)
+    _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens)
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
         reason, error = refusal
@@ -134,7 +142,7 @@ def msa_func(
         1.0 / math.sqrt(q_proxy.shape[-1]) if proxy_softmax_scale is None else proxy_softmax_scale
     )
     with torch.no_grad():
-        if warmup:
+        if warmup or q.shape[0] == 0:  # batch 0: nothing to score, empty outputs
             layout = patterns.causal(seq_len, q_block=q_block, kv_block=kv_block, device=q.device)
         else:
             scores = block_scores(

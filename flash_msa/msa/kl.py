@@ -266,7 +266,7 @@ def _kl_forward(
         grad_scale=lse_proxy, out=q_proxy, kl_rows=kl_rows, num_q_blocks=layout.num_q_blocks,
         GRAD=False, **arguments,
     )  # fmt: skip
-    return kl_rows.sum() / kl_rows.numel(), lse_proxy
+    return kl_rows.sum() / max(kl_rows.numel(), 1), lse_proxy  # batch 0: a loss of 0
 
 
 @_kl_forward.register_fake
@@ -301,7 +301,7 @@ def _kl_backward(
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
     batch, _, heads_proxy, _ = q_proxy.shape
     heads_proxy_keys = k_proxy.shape[2]
-    grad_scale = (grad_loss / lse_proxy.numel()).float().reshape(1)  # on the device: no sync
+    grad_scale = (grad_loss / max(lse_proxy.numel(), 1)).float().reshape(1)  # no host sync
     grad_q_proxy = torch.empty_like(q_proxy)
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
         row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,

@@ -90,6 +90,18 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
         )
 
 
+def check_softmax_scale(name: str, scale) -> None:
+    """A softmax scale is None (1 / sqrt(D)) or a positive float up to MAX_SOFTMAX_SCALE."""
+    real = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if real and scale > MAX_SOFTMAX_SCALE:  # inf too; comparisons never overflow
+        raise ValueError(
+            f"{name} must be at most {MAX_SOFTMAX_SCALE:g}, got {scale!r}: larger scales "
+            "overflow the fp32 logits scale * q.k into NaN (the default is 1 / sqrt(head_dim))"
+        )
+    if scale is not None and not (real and scale > 0):  # NaN fails here
+        raise ValueError(f"{name} must be a positive finite float or None, got {scale!r}")
+
+
 def check_options(
     causal, window_size, softmax_scale, dropout_p, deterministic, return_lse=False
 ) -> None:
@@ -107,17 +119,7 @@ def check_options(
         raise ValueError(
             f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}"
         )
-    real = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-    if real and softmax_scale > MAX_SOFTMAX_SCALE:  # inf too; comparisons never overflow
-        raise ValueError(
-            f"softmax_scale must be at most {MAX_SOFTMAX_SCALE:g}, got {softmax_scale!r}: "
-            "larger scales overflow the fp32 logits scale * q.k into NaN (the default is "
-            "1 / sqrt(head_dim))"
-        )
-    if softmax_scale is not None and not (real and softmax_scale > 0):  # NaN fails here
-        raise ValueError(
-            f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
-        )
+    check_softmax_scale("softmax_scale", softmax_scale)
     if (
         not isinstance(dropout_p, (int, float))
         or isinstance(dropout_p, bool)

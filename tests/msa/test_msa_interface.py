@@ -138,6 +138,9 @@ def test_msa_func_rejects_bfloat16_on_the_interpreter():
         (dict(q_block=48), "q_block must be one of"),
         (dict(q_block=32, kv_block=16), r"q_block \(32\) must be <= kv_block \(16\)"),
         (dict(cu_seqlens=torch.tensor([0, 32], dtype=torch.int32)), "must be 3-D"),
+        (dict(proxy_softmax_scale=1e38), "proxy_softmax_scale must be at most 10000"),
+        (dict(proxy_softmax_scale=True), "proxy_softmax_scale must be a positive finite"),
+        (dict(softmax_scale=1e38), "softmax_scale must be at most 10000"),
     ],
 )
 def test_msa_func_rejects_bad_options(options, match):
@@ -186,3 +189,19 @@ def test_compiled_msa_func_matches_eager(warmup):
     assert torch.equal(out, out_eager) and torch.equal(kl_loss, kl_eager)
     for got, want in zip((*main, *proxy), (*main_eager, *proxy_eager), strict=True):
         assert relative_error(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 0, 1), (4, 0, 2, 1), (4, 2, 2, 0)])
+def test_msa_func_rejects_zero_heads(heads):
+    tensors = [t.detach() for t in _inputs(1, 32, heads, 16, 16)]
+    with pytest.raises(ValueError, match="every head count and head dim must be at least 1"):
+        msa_func(*tensors, q_block=16, kv_block=16)
+
+
+def test_msa_func_on_an_empty_batch():
+    """Batch 0: empty out, a zero loss, zero-sized gradients (no division by zero)."""
+    tensors = _inputs(0, 64, (4, 2, 2, 1), 16, 16)
+    out, kl_loss = msa_func(*tensors, top_k=2, q_block=16, kv_block=32)
+    assert out.shape == tensors[2].shape and float(kl_loss) == 0.0
+    (out.sum() + kl_loss).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in tensors)
