@@ -86,6 +86,24 @@ def sampled_rows_reference(q, k, v, layout, rows, grad_out, softmax_scale=None):
     return torch.cat(outs), torch.cat(grads)
 
 
+def sampled_rows_errors(q, k, v, layout, out, grad_q, grad_out, check_rows: int):
+    """Relative errors of out and dq (q.grad) on check_rows query blocks spread over the
+    sequence, against sampled_rows_reference (causal, batch 0, layout head 0): the check of a
+    long-sequence forward + backward whose dense reference would not fit. Returns
+    (out_error, dq_error)."""
+    rows = torch.linspace(0, layout.num_q_blocks - 1, check_rows).long().tolist()
+    expected_out, expected_dq = sampled_rows_reference(q, k, v, layout, rows, grad_out)
+    positions = torch.cat([
+        torch.arange(row * layout.q_block, min((row + 1) * layout.q_block, q.shape[1]),
+                     device=q.device)
+        for row in rows
+    ])  # fmt: skip
+    return (
+        relative_error(out[0, positions], expected_out),
+        relative_error(grad_q[0, positions], expected_dq),
+    )
+
+
 # ---- GPU code generation without a GPU ------------------------------------------------------
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flash_msa import block_sparse_attn_func, patterns
-from flash_msa.testing import relative_error, sampled_rows_reference
+from flash_msa.testing import sampled_rows_errors
 
 HEADS, HEAD_DIM, BLOCK = 16, 128, 128
 
@@ -34,15 +34,7 @@ def sampled_errors(seq_len: int, pattern: str, check_rows: int = 4) -> tuple[flo
         tensor.requires_grad_()
     out = block_sparse_attn_func(q, k, v, layout, causal=True)
     out.backward(grad_out)
-    rows = torch.linspace(0, layout.num_q_blocks - 1, check_rows).long().tolist()
-    expected_out, expected_dq = sampled_rows_reference(q, k, v, layout, rows, grad_out)
-    positions = torch.cat(
-        [torch.arange(r * BLOCK, min((r + 1) * BLOCK, seq_len), device=device) for r in rows]
-    )
-    return (
-        relative_error(out[0, positions], expected_out),
-        relative_error(q.grad[0, positions], expected_dq),
-    )
+    return sampled_rows_errors(q, k, v, layout, out, q.grad, grad_out, check_rows)
 
 
 @pytest.mark.gpu
