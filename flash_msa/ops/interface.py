@@ -13,8 +13,8 @@ from flash_msa.ops.custom_op import sparse_attention
 from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: torch only
-# Beyond this, softmax is a hard maximum for inputs of unit scale, and scale * q.k overflows
-# fp32 (NaN) for inputs that fp32 logits otherwise hold; below it, any fp16 input stays finite.
+# Larger scales are refused: scale * q.k overflowed the fp32 logits into NaN (1e38 did at
+# inputs of unit scale). Up to it, no fp16 input overflows them (|q.k| <= 256 * 65504^2).
 MAX_SOFTMAX_SCALE = 1e4
 
 

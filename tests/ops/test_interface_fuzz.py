@@ -7,9 +7,9 @@ non-contiguous views, wrong sizes), options, document ids and cu_seqlens. Each c
 whether it holds a fault. A call must then raise ValueError or TypeError with a message
 (and must raise when the case holds a fault, or asks a backend for what it declares it does
 not support), or return out (and lse, and gradients through backward) that match float64
-ground truth: 1e-4 relative in fp32; in fp16 / bf16 at most twice the error of the same
-computation by PyTorch in that dtype, plus one unit of rounding. Nothing is NaN unless an
-input is.
+ground truth: 1e-4 relative in fp32 (or twice PyTorch's own fp32 error, where a saturated
+softmax makes that larger); in fp16 / bf16 at most twice the error of the same computation
+by PyTorch in that dtype, plus one unit of rounding. Nothing is NaN unless an input is.
 
 Both backends run: "torch" and "triton" (the CPU interpreter: small shapes, fp16 and fp32).
 HYPOTHESIS_PROFILE=long (tests/conftest.py) runs many more cases, fresh ones each run.
@@ -57,7 +57,8 @@ def fuzz_settings(examples: int):
 
 @dataclass
 class Case:
-    """One call, described in plain values (tensors are built from it in `build`)."""
+    """One call, described in plain values (build_tensors, build_layout and build_documents
+    make what the call receives)."""
 
     api: str  # "dense" or "varlen"
     backend: object
@@ -129,7 +130,7 @@ def cases(draw, api: str, backends: tuple, valid: int = 8):
     if triton:  # the interpreter is slow: few programs
         batch = 1 if api == "varlen" else pick([1, 1, 2, 0])
         heads_kv = pick([1, 1, 2])
-        heads_q = heads_kv * (pick([1, 2]) if heads_kv == 1 else 1)
+        heads_q = heads_kv * pick([1, 2, 4] if heads_kv == 1 else [1, 2])
         seq_q = integer(1, 96)
         seq_kv = seq_q if api == "varlen" or coin() else integer(1, 96)
         dtype = pick([torch.float32, torch.float32, torch.float16,
@@ -595,7 +596,7 @@ def test_dense_calls_torch_backend(case):
 
 @needs_interpreter
 @given(case=cases("dense", ("triton",), valid=24))  # faults cost nothing: mostly valid
-@fuzz_settings(150)
+@fuzz_settings(120)
 def test_dense_calls_triton_backend(case):
     run(case)
 
