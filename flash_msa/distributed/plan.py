@@ -189,11 +189,8 @@ class CpPlan:
         block_tokens = (layout.seq_len_kv - first_token).clamp(max=layout.kv_block)  # [nk]
         self._remote_blocks = remote.sum(1).tolist()
         self._remote_tokens = (remote * block_tokens).sum(1).tolist()
-        self._tokens = (
-            torch.bincount(block_owners, weights=block_tokens.double(), minlength=world_size)
-            .long()
-            .tolist()
-        )
+        tokens = torch.zeros(world_size, dtype=torch.int64, device=device)
+        self._tokens = tokens.index_add_(0, block_owners, block_tokens).tolist()
         self.busiest_cost = {balance: max(self.model_cost())}
 
     def __repr__(self) -> str:
