@@ -12,6 +12,10 @@ blocks: a query sees every earlier key of an active block). Whatever else a mode
 (padding, explicit masks, bidirectional attention, cached decoding, soft-capping, sinks)
 raises ValueError naming it and the fix.
 
+Packed documents share the layout of their row: causal and sliding-window layouts attend
+within each document as it would alone, while a pattern anchored at the row's start (the
+global tokens of global_tokens, longformer, bigbird) serves the row's first document only.
+
 This module imports transformers only inside register().
 """
 
