@@ -88,9 +88,11 @@ def attention_forward(
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    score_budget: int = SCORE_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] of validated inputs; differentiable
-    by autograd. document_ids int [B, S] keeps attention within documents."""
+    by autograd. document_ids int [B, S] keeps attention within documents; score_budget:
+    score elements computed at a time (whole query blocks, at least one)."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
     if q.numel() == 0 or layout.nnz == 0:
@@ -115,7 +117,7 @@ def attention_forward(
                 documents=None if document_ids is None else document_ids[batches],
                 dropout_p=dropout_p, generator=generator,
             )  # fmt: skip
-            for part in rows.split(max(1, SCORE_BUDGET // per_row))
+            for part in rows.split(max(1, score_budget // per_row))
         ]
         outs.append(torch.cat([p[0] for p in pieces], 1)[:, :seq_len_q].to(q.dtype))
         lses.append(torch.cat([p[1] for p in pieces], 2)[..., :seq_len_q])

@@ -45,6 +45,7 @@ def topk(
     q_block: int | None = None,
     kv_block: int | None = None,
     fixed_counts: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
     device=None,
 ) -> BlockLayout:
     """The k highest-scoring blocks of each row (ties to the lower block index).
@@ -64,6 +65,8 @@ def topk(
         k: blocks per row (larger than nk: all of them).
         seq_len_q, seq_len_kv: tokens of queries and keys (seq_len_kv defaults to seq_len_q).
         block_size: q_block and kv_block when they are not given.
+        chunk_elements: scores ranked at a time (their int64 keys and temporaries are the
+            memory the ranking takes; whole rows, at least one).
 
     Returns:
         A BlockLayout with layout_batch and layout_heads from block_scores' leading sizes.
@@ -88,8 +91,8 @@ def topk(
     # Keys above this belong to scores > -inf (or the kept diagonal).
     minus_inf = _MINUS_INF_BITS * (1 << 32) + num_kv_blocks - 1
     nan_found = torch.zeros((), dtype=torch.bool, device=scores.device)
-    # Rows in chunks: the int64 keys and their temporaries stay near CHUNK_ELEMENTS each.
-    rows_per_chunk = max(1, CHUNK_ELEMENTS // (num_layouts * num_kv_blocks))
+    # Rows in chunks: the int64 keys and their temporaries stay near chunk_elements each.
+    rows_per_chunk = max(1, chunk_elements // (num_layouts * num_kv_blocks))
     chosen = []
     for first in range(0, num_q_blocks, rows_per_chunk):
         rows = slice(first, first + rows_per_chunk)

@@ -109,14 +109,16 @@ def test_float64_matches_to_rounding():
     assert relative_error(out, expected) < 1e-13
 
 
-def test_chunking_does_not_change_the_result(monkeypatch):
+def test_chunking_does_not_change_the_result():
     from flash_msa.ops import torch_ref
 
     layout = patterns.sliding_window(256, 64, block_size=16)
     q, k, v = random_qkv(1, 256, 2, 16, seed=6)
-    whole = block_sparse_attn_func(q, k, v, layout, causal=True)
-    monkeypatch.setattr(torch_ref, "SCORE_BUDGET", 1)  # one query block per chunk
-    assert torch.equal(block_sparse_attn_func(q, k, v, layout, causal=True), whole)
+    options = dict(causal=True, window_size=(-1, -1), softmax_scale=0.25)
+    whole = torch_ref.attention_forward(q, k, v, layout, **options)
+    chunked = torch_ref.attention_forward(q, k, v, layout, **options, score_budget=1)
+    for got, want in zip(chunked, whole, strict=True):  # one query block per chunk
+        assert torch.equal(got, want)
 
 
 def test_reference_against_an_explicit_softmax():

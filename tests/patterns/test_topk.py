@@ -1,7 +1,6 @@
 """patterns.topk against brute force: ties, -inf and NaN, causal diagonals of square and
 rectangular blocks, and the fixed-count (MSA) selection against select_blocks_reference."""
 
-import importlib
 import math
 
 import pytest
@@ -192,16 +191,15 @@ def test_fixed_counts_never_synchronise():
     )
 
 
-def test_fixed_counts_in_row_chunks(monkeypatch):
+def test_fixed_counts_in_row_chunks():
     """Ranking a few rows at a time (as at long lengths) gives the same layout."""
-    topk_module = importlib.import_module("flash_msa.patterns.topk")
     scores = _tied_scores(200, 16, 32, seed=11)  # [2, 3, 13, 7]
-    monkeypatch.setattr(topk_module, "CHUNK_ELEMENTS", 2 * 3 * 7 * 4)  # 4 rows per chunk
-    layout = select(scores, 3, 200, 16, 32)
+    chunked = dict(seq_len_q=200, q_block=16, kv_block=32, chunk_elements=2 * 3 * 7 * 4)
+    layout = patterns.topk(scores, 3, fixed_counts=True, **chunked)  # 4 rows per chunk
     _check_layout(layout, scores, 3, 200, 16, 32)
     scores[0, 1, 9, 1] = float("nan")  # an earlier block of row 9, in the third chunk
     with pytest.raises(ValueError, match="contains NaN"):
-        patterns.topk(scores, 3, seq_len_q=200, q_block=16, kv_block=32)
+        patterns.topk(scores, 3, **chunked)
 
 
 def test_fixed_counts_trace_in_one_graph():
