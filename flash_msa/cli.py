@@ -210,9 +210,13 @@ def info(args: argparse.Namespace) -> int:
     )
     call = registry.AttentionCall(
         device=device, dtype=dtype, head_dim=128, q_block=128, kv_block=128, dropout=False,
-        documents=False, deterministic=False,
+        documents=False, deterministic=False, element_masks=True, seq_len_q=4096,
+        seq_len_kv=4096, batch=1, heads_q=16, heads_kv=16, layout_heads=1,
     )  # fmt: skip
-    example = f"{device.type}, {str(dtype).removeprefix('torch.')}, D=128, blocks of 128"
+    example = (
+        f"{device.type}, {str(dtype).removeprefix('torch.')}, D=128, blocks of 128, causal, "
+        "S=4096"
+    )
     print(
         "backends (auto rank: 'auto' tries higher first; a device type not ranked: by name only):"
     )

@@ -136,7 +136,9 @@ def _attention(
     call = registry.AttentionCall(
         device=q.device, dtype=q.dtype, head_dim=q.shape[-1], q_block=layout.q_block,
         kv_block=layout.kv_block, dropout=dropout_p > 0, documents=document_ids is not None,
-        deterministic=deterministic,
+        deterministic=deterministic, element_masks=causal or max(window_size) >= 0,
+        seq_len_q=q.shape[1], seq_len_kv=k.shape[1], batch=q.shape[0], heads_q=q.shape[2],
+        heads_kv=k.shape[2], layout_heads=layout.layout_heads,
     )  # fmt: skip
     chosen = registry.select(call, backend)
     # A fresh Philox seed per call from PyTorch's default generator (torch.manual_seed).

@@ -34,6 +34,13 @@ class AttentionCall:
     dropout: bool
     documents: bool
     deterministic: bool  # the caller asks for a bitwise reproducible backward
+    element_masks: bool  # causal or a window bound: blocks may be partial
+    seq_len_q: int
+    seq_len_kv: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    layout_heads: int
 
 
 class Refusal(NamedTuple):

@@ -68,7 +68,8 @@ def test_a_named_backend_that_refuses_says_why(fake_backend):
 
 
 def test_a_call_no_backend_supports_names_each_refusal(monkeypatch, fake_backend):
-    for name in ("torch", "triton"):  # every real backend refuses float64 too
+    monkeypatch.delitem(registry._BACKENDS, "gluon")  # it refuses the CPU before the dtype
+    for name in ("torch", "triton"):  # every other real backend refuses float64 too
         refusing = dataclasses.replace(registry.get(name), dtypes=(torch.float32,))
         monkeypatch.setitem(registry._BACKENDS, name, refusing)
     q, k, v = random_qkv(1, 64, 2, 16, dtype=torch.float64)
@@ -93,7 +94,8 @@ def test_registration_rules(fake_backend):
 def test_the_declared_support_of_the_real_backends():
     call = registry.AttentionCall(
         device=torch.device("cpu"), dtype=torch.float32, head_dim=64, q_block=64, kv_block=128,
-        dropout=True, documents=True, deterministic=True,
+        dropout=True, documents=True, deterministic=True, element_masks=True, seq_len_q=1000,
+        seq_len_kv=1000, batch=1, heads_q=8, heads_kv=2, layout_heads=2,
     )  # fmt: skip
     assert "torch has no bitwise deterministic backward" in registry.get("torch").refusal(call)[0]
     half_on_cpu = dataclasses.replace(call, dtype=torch.bfloat16)
@@ -102,3 +104,31 @@ def test_the_declared_support_of_the_real_backends():
     assert refusal.error is (TypeError if _env.interpreting() else ValueError)
     # on the CPU "auto" never picks the interpreter, which is for tests
     assert registry.select(dataclasses.replace(call, deterministic=False)).name == "torch"
+
+
+def test_gluon_refuses_what_it_does_not_run(monkeypatch):
+    """On an sm_90 device it takes unmasked whole blocks; the registry passes every other
+    call on (here the device's capability is stubbed: no GPU is needed)."""
+    hopper = {"cuda": (9, 0)}
+    monkeypatch.setattr(_env, "capability", lambda device: hopper.get(device.type))
+    gluon = registry.get("gluon")
+    call = registry.AttentionCall(
+        device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=128, q_block=128,
+        kv_block=128, dropout=False, documents=False, deterministic=True, element_masks=False,
+        seq_len_q=4096, seq_len_kv=4096, batch=1, heads_q=16, heads_kv=4, layout_heads=4,
+    )  # fmt: skip
+    assert gluon.refusal(call) is None
+    for change, reason in (
+        (dict(element_masks=True), "gluon takes whole blocks only: no causal or window masks"),
+        (dict(seq_len_kv=4000), "gluon takes sequence lengths that are multiples of 128"),
+        (dict(head_dim=96), "gluon takes head dims 64 and 128, not 96"),
+        (dict(q_block=64), "gluon takes q_block in (128,), not 64"),
+        (dict(dropout=True), "gluon has no dropout"),
+        (dict(documents=True), "gluon has no document masks"),
+        (dict(layout_heads=2), "gluon takes layout_heads 1, H_kv or H_q, not 2"),
+        (dict(dtype=torch.float32), "gluon takes float16, bfloat16, not float32"),
+        (dict(device=torch.device("cpu")), "gluon runs on cuda, not cpu"),
+    ):
+        assert gluon.refusal(dataclasses.replace(call, **change)).reason.startswith(reason)
+    monkeypatch.setattr(_env, "capability", lambda device: (10, 0))
+    assert gluon.refusal(call).reason == "gluon runs on sm_90 (H100, H200) only"
