@@ -108,6 +108,24 @@ def sampled_rows_errors(q, k, v, layout, out, grad_q, grad_out, check_rows: int)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def assemble_for_sm90(ptx: str, workdir: str, name: str) -> dict:
+    """Assemble PTX text for sm_90a with the ptxas Triton bundles: {"registers", "spills":
+    bytes of spill stores, "warnings": ptxas's warning lines, "cubin": its path}."""
+    path = os.path.join(workdir, f"{name}.ptx")
+    with open(path, "w") as handle:
+        handle.write(ptx)
+    report = subprocess.run(
+        [PTXAS, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    return dict(
+        registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+        spills=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        warnings=[line.strip() for line in report.splitlines() if "warning" in line.lower()],
+        cubin=path + ".cubin",
+    )
+
+
 def compile_for_sm90(
     kernel, constexprs: dict, types: dict[str, str], num_warps: int, num_stages: int, workdir: str
 ) -> dict:
@@ -129,16 +147,10 @@ def compile_for_sm90(
         ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=num_warps, num_stages=num_stages),
     )  # fmt: skip
-    ptx = os.path.join(workdir, f"{kernel.__name__}.ptx")
-    with open(ptx, "w") as handle:
-        handle.write(compiled.asm["ptx"])
-    report = subprocess.run(
-        [PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
-        capture_output=True, text=True, check=True,
-    ).stderr  # fmt: skip
+    assembled = assemble_for_sm90(compiled.asm["ptx"], workdir, kernel.__name__)
     return dict(
         shared=compiled.metadata.shared,
-        registers=int(re.search(r"Used (\d+) registers", report).group(1)),
-        spills=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        registers=assembled["registers"],
+        spills=assembled["spills"],
         wgmma="wgmma" in compiled.asm["ptx"],
     )

@@ -15,6 +15,21 @@ needs_triton = pytest.mark.skipif(
 )
 
 
+def assert_compiled_matches_eager(attention, inputs, compiler):
+    """attention under torch.compile(fullgraph=True) gives eager's output and gradients."""
+    compiled = torch.compile(attention, fullgraph=True, backend=compiler)
+    out = compiled(*inputs)
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    expected = attention(*inputs)
+    expected.square().sum().backward()
+    assert relative_error(out, expected) < 1e-6
+    for got, t in zip(grads, inputs, strict=True):
+        assert relative_error(got, t.grad) < 1e-6
+
+
 @needs_triton
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_op_matches_eager(compiler):
@@ -25,17 +40,7 @@ def test_compiled_op_matches_eager(compiler):
     def attention(q, k, v):
         return block_sparse_attn_func(q, k, v, layout, causal=True, backend="triton")
 
-    compiled = torch.compile(attention, fullgraph=True, backend=compiler)
-    out = compiled(q, k, v)
-    out.square().sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    expected = attention(q, k, v)
-    expected.square().sum().backward()
-    assert relative_error(out, expected) < 1e-6
-    for got, t in zip(grads, (q, k, v), strict=True):
-        assert relative_error(got, t.grad) < 1e-6
+    assert_compiled_matches_eager(attention, (q, k, v), compiler)
 
 
 @needs_triton
@@ -59,17 +64,7 @@ def test_compiled_torch_backend_matches_eager():
     def attention(q, k, v):
         return block_sparse_attn_func(q, k, v, layout, causal=True, backend="torch")
 
-    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
-    out = compiled(q, k, v)
-    out.square().sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    expected = attention(q, k, v)
-    expected.square().sum().backward()
-    assert relative_error(out, expected) < 1e-6
-    for got, t in zip(grads, (q, k, v), strict=True):
-        assert relative_error(got, t.grad) < 1e-6
+    assert_compiled_matches_eager(attention, (q, k, v), "aot_eager")
 
 
 def backends():

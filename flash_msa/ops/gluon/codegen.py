@@ -12,9 +12,9 @@ import subprocess
 
 import triton
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-PTXAS = os.path.join(BIN, "ptxas")
-CUOBJDUMP = os.path.join(BIN, "cuobjdump")
+from flash_msa.testing import PTXAS, assemble_for_sm90
+
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
 TARGET = ("cuda", 90, 32)
 SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
 
@@ -87,14 +87,8 @@ def compile_forward(
         options=dict(num_warps=4, maxnreg=forward.MAX_REGISTERS),
     )  # fmt: skip
     name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{'pingpong' if pingpong else 'plain'}"
-    ptx = os.path.join(workdir, name + ".ptx")
-    with open(ptx, "w") as handle:
-        handle.write(compiled.asm["ptx"])
-    cubin = ptx + ".cubin"
-    report = subprocess.run(
-        [PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-        capture_output=True, text=True, check=True,
-    ).stderr  # fmt: skip
+    assembled = assemble_for_sm90(compiled.asm["ptx"], workdir, name)
+    cubin = assembled["cubin"]
     sass = subprocess.run(
         [CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True
     ).stdout
@@ -103,13 +97,13 @@ def compile_forward(
         handle.write(sass)
     registers = [int(number) for number in re.findall(r"\bR(\d+)\b", sass)]
     return dict(
-        registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+        registers=assembled["registers"],
         max_register=max(registers) + 1 if registers else 0,
         setmaxnreg=sorted({int(n) for n in re.findall(SETMAXNREG, compiled.asm["ptx"])}),
-        spills=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        spills=assembled["spills"],
         shared=compiled.metadata.shared,
         wgmma="wgmma.mma_async" in compiled.asm["ptx"],
         overlapped_exps=overlapped_exponentials(sass),
-        warnings=[line.strip() for line in report.splitlines() if "warning" in line.lower()],
+        warnings=assembled["warnings"],
         sass=sass_path,
     )
