@@ -1,4 +1,5 @@
-"""Shared test helpers: random inputs, output poisoning, error measures, sm_90 compiles."""
+"""Shared test helpers: random inputs, error measures, sampled-row references, sm_90 compiles
+(output poisoning is the poisoned_allocations fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,6 @@ def random_qkv(
         .requires_grad_(requires_grad)
         for shape in shapes
     )
-
-
-def poisoned_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An output buffer full of NaN: an element the kernel fails to write stays NaN."""
-    return torch.full_like(tensor, float("nan"), dtype=dtype)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
