@@ -7,6 +7,7 @@ self-attention) and with them the query blocks they contain.
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,55 @@ class NeededBlocks(NamedTuple):
 
     blocks: torch.Tensor
     owners: torch.Tensor
+
+
+class RankExchange(NamedTuple):
+    """One rank's part of the forward's block exchange, and its rows split by where their
+    kv blocks live. Blocks are whole kv blocks; "slots" index a buffer of such blocks.
+
+    own_blocks: int64 [n_own], the global kv blocks the rank holds, ascending: local kv
+        block i of its shards is global block own_blocks[i].
+    send_slots: int64 [n_send], the rank's own slots it sends, grouped by destination in
+        rank order (ascending within a group); send_counts[t] of them go to rank t.
+    recv_blocks: int64 [n_recv], the global kv blocks it receives, grouped by source in
+        rank order (ascending within a group); recv_counts[t] of them come from rank t.
+    local: the rank's rows over its own blocks (columns name own slots).
+    remote: the rank's rows over the received blocks (columns name received slots).
+    """
+
+    own_blocks: torch.Tensor
+    send_slots: torch.Tensor
+    send_counts: list[int]
+    recv_blocks: torch.Tensor
+    recv_counts: list[int]
+    local: BlockLayout
+    remote: BlockLayout
+
+
+def _column_subset(layout: BlockLayout, keep: torch.Tensor, slot_of: torch.Tensor, slots: int):
+    """The entries of `layout` whose column c has keep[c], with c renamed slot_of[c], as a
+    BlockLayout over a buffer of `slots` whole kv blocks (columns re-sorted within rows)."""
+    cols = layout.col_indices.long()
+    kept = keep[cols]  # [nnz]
+    rows = layout.entry_rows()[kept]  # layout * num_q_blocks + row, ascending
+    new_cols = slot_of[cols[kept]]
+    order = torch.argsort(rows * max(slots, 1) + new_cols)
+    counts = torch.bincount(rows, minlength=layout.num_layouts * layout.num_q_blocks)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=cols.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    n = layout.num_q_blocks
+    row_offsets = offsets.as_strided((layout.num_layouts, n + 1), (n, 1)).contiguous()
+    return BlockLayout(
+        row_offsets.int(),
+        new_cols[order].int(),
+        seq_len_q=layout.seq_len_q,
+        seq_len_kv=slots * layout.kv_block,
+        q_block=layout.q_block,
+        kv_block=layout.kv_block,
+        layout_batch=layout.layout_batch,
+        layout_heads=layout.layout_heads,
+        validate=False,
+    )
 
 
 def _is_int(value) -> bool:
@@ -192,6 +242,8 @@ class CpPlan:
         tokens = torch.zeros(world_size, dtype=torch.int64, device=device)
         self._tokens = tokens.index_add_(0, block_owners, block_tokens).tolist()
         self.busiest_cost = {balance: max(self.model_cost())}
+        self._exchanges: dict[int, RankExchange] = {}
+        self._digest: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -256,6 +308,56 @@ class CpPlan:
             layout_heads=layout.layout_heads,
             validate=False,
         )
+
+    def exchange(self, rank: int) -> RankExchange:
+        """The rank's sends, receives and split rows for the forward's all-to-all (cached:
+        the plan is static)."""
+        _check_rank(rank, self.world_size)
+        if rank not in self._exchanges:
+            self._exchanges[rank] = self._exchange(rank)
+        return self._exchanges[rank]
+
+    def _exchange(self, rank: int) -> RankExchange:
+        owners = self.block_owners
+        num_kv_blocks = owners.numel()
+        device = owners.device
+        owned = owners == rank  # [nk]
+        own_blocks = owned.nonzero().flatten()
+        own_slot = torch.cumsum(owned, 0) - 1  # [nk]: slot of an owned block
+        send = self._needed & owned[None, :]  # [w, nk]: what each rank needs from this one
+        send[rank] = False
+        send_blocks = send.nonzero()[:, 1]  # grouped by destination, ascending within
+        receive = self._needed[rank] & ~owned  # [nk]
+        # Received slots: by source rank, ascending within a source (the all-to-all's order).
+        by_source = owners * num_kv_blocks + torch.arange(num_kv_blocks, device=device)
+        recv_blocks = receive.nonzero().flatten()
+        recv_blocks = recv_blocks[torch.argsort(by_source[recv_blocks])]
+        recv_slot = torch.zeros(num_kv_blocks, dtype=torch.int64, device=device)
+        recv_slot[recv_blocks] = torch.arange(recv_blocks.numel(), device=device)
+        rows = self.local_layout(rank)
+        return RankExchange(
+            own_blocks=own_blocks,
+            send_slots=own_slot[send_blocks],
+            send_counts=send.sum(1).tolist(),
+            recv_blocks=recv_blocks,
+            recv_counts=torch.bincount(owners[recv_blocks], minlength=self.world_size).tolist(),
+            local=_column_subset(rows, owned, own_slot, own_blocks.numel()),
+            remote=_column_subset(rows, receive, recv_slot, recv_blocks.numel()),
+        )
+
+    def digest(self) -> int:
+        """A 63-bit fingerprint of the plan (layout, block sizes, owners): ranks compare it
+        before they exchange anything."""
+        if self._digest is None:
+            layout = self.layout
+            sha = hashlib.sha256()
+            sizes = [self.world_size, layout.seq_len_q, layout.q_block, layout.kv_block,
+                     layout.layout_batch, layout.layout_heads]  # fmt: skip
+            sha.update(repr(sizes).encode())
+            for tensor in (layout.row_offsets, layout.col_indices, self.block_owners):
+                sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+            self._digest = int.from_bytes(sha.digest()[:8], "little") >> 1
+        return self._digest
 
     # ---- costs -----------------------------------------------------------------------
     def model_cost(self) -> list[float]:
