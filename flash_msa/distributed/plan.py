@@ -60,7 +60,8 @@ class RankExchange(NamedTuple):
     recv_blocks: int64 [n_recv], the global kv blocks it receives, grouped by source in
         rank order (ascending within a group); recv_counts[t] of them come from rank t.
     local: the rank's rows over its own blocks (columns name own slots).
-    remote: the rank's rows over the received blocks (columns name received slots).
+    remote: the rank's rows over the received blocks (columns name received slots), or
+        None when it receives nothing.
     """
 
     own_blocks: torch.Tensor
@@ -69,7 +70,7 @@ class RankExchange(NamedTuple):
     recv_blocks: torch.Tensor
     recv_counts: list[int]
     local: BlockLayout
-    remote: BlockLayout
+    remote: BlockLayout | None
 
 
 def _column_subset(layout: BlockLayout, keep: torch.Tensor, slot_of: torch.Tensor, slots: int):
@@ -342,7 +343,9 @@ class CpPlan:
             recv_blocks=recv_blocks,
             recv_counts=torch.bincount(owners[recv_blocks], minlength=self.world_size).tolist(),
             local=_column_subset(rows, owned, own_slot, own_blocks.numel()),
-            remote=_column_subset(rows, receive, recv_slot, recv_blocks.numel()),
+            remote=_column_subset(rows, receive, recv_slot, recv_blocks.numel())
+            if recv_blocks.numel()
+            else None,
         )
 
     def digest(self) -> int:

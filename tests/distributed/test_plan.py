@@ -90,11 +90,39 @@ def check_plan(plan):
         assert stats["recv_bytes"][rank] == int(remote_tokens) * 2 * 3 * 8 * 2
         assert stats["send_bytes"][rank] == 2 * stats["recv_bytes"][rank]  # fp32 vs fp16
         assert stats["remote_blocks"][rank] == remote.numel()
+        check_exchange(plan, rank, local, blocks, owners)
     assert torch.equal(torch.cat(tokens).sort().values, torch.arange(seq_len))
     assert torch.equal(torch.cat(keys).sort().values, layout.keys())
     assert sum(stats["cost"]) == layout.nnz
     if plan.world_size == 1:
         assert stats["recv_bytes"] == [0] and stats["send_bytes"] == [0]
+
+
+def check_exchange(plan, rank, local, blocks, owners):
+    """The rank's exchange: what it receives from each source is what that source sends it,
+    and its own and received parts of its rows are, mapped back to global blocks, its rows."""
+    exchange = plan.exchange(rank)
+    assert torch.equal(exchange.own_blocks, (plan.block_owners == rank).nonzero().flatten())
+    first = 0
+    for source, count in enumerate(exchange.recv_counts):
+        sent = plan.exchange(source)
+        start = sum(sent.send_counts[:rank])
+        slots = sent.send_slots[start : start + sent.send_counts[rank]]
+        assert torch.equal(exchange.recv_blocks[first : first + count], sent.own_blocks[slots])
+        first += count
+    assert torch.equal(exchange.recv_blocks.sort().values, blocks[owners != rank])
+    dense = local.to_dense()  # [L, n, nk]
+    parts = torch.zeros_like(dense)
+    assert (exchange.remote is None) == (exchange.recv_blocks.numel() == 0)
+    for part, names in ((exchange.local, exchange.own_blocks),
+                        (exchange.remote, exchange.recv_blocks)):  # fmt: skip
+        if part is None:
+            continue
+        sizes = {name: getattr(part, name) for name in BlockLayout.SIZES}
+        assert sizes["seq_len_kv"] == names.numel() * plan.layout.kv_block
+        BlockLayout(part.row_offsets, part.col_indices, **sizes)  # sorted, unique, in range
+        parts[:, :, names] += part.to_dense()
+    assert torch.equal(parts, dense)
 
 
 @pytest.mark.parametrize("balance", ["contiguous", "headtail", "auto"])
