@@ -95,6 +95,11 @@ def register(name: str = ATTENTION_NAME) -> str:
         ...                                              attn_implementation=name)
         >>> model.set_attn_implementation("sdpa")  # and back: set_attn_implementation(name)
     """
+    return _register(name, attention_forward)
+
+
+def _register(name: str, attention_function) -> str:
+    """Add attention_function and document_mask to transformers' registries under `name`."""
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
     except ImportError as error:
@@ -116,7 +121,7 @@ def register(name: str = ATTENTION_NAME) -> str:
             f"to load it from the Hub; register under a name without 'flash' (the default "
             f"{ATTENTION_NAME!r})"
         )
-    AttentionInterface.register(name, attention_forward)
+    AttentionInterface.register(name, attention_function)
     AttentionMaskInterface.register(name, document_mask)
     return name
 
@@ -328,6 +333,22 @@ def _packed_cu_seqlens(kwargs, batch: int, seq_len: int, document_ids):
     return cu_seqlens, max_seqlen
 
 
+def _documents(attention_mask, kwargs, batch: int, seq_len: int):
+    """int32 [B, S] documents from the DocumentMask, or from position_ids that restart; None
+    for one document per row. An explicit mask raises ValueError."""
+    if isinstance(attention_mask, DocumentMask):
+        return attention_mask.document_ids
+    if attention_mask is None:
+        return _documents_of_positions(kwargs.get("position_ids"), batch, seq_len)
+    kind, shape = type(attention_mask).__name__, list(getattr(attention_mask, "shape", ()))
+    raise ValueError(
+        f"block-sparse attention got an explicit attention mask ({kind} of shape {shape}); "
+        "it applies causal, document and window masks over the layout only: pack sequences "
+        "(position_ids restarting at 0) instead of masking them, or run with "
+        "attn_implementation='sdpa'"
+    )
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -361,18 +382,7 @@ def attention_forward(
     """
     _check_options(module, query, key, value, is_causal, sliding_window, kwargs)
     batch, _, seq_len, _ = query.shape
-    if isinstance(attention_mask, DocumentMask):
-        document_ids = attention_mask.document_ids
-    elif attention_mask is None:
-        document_ids = _documents_of_positions(kwargs.get("position_ids"), batch, seq_len)
-    else:
-        kind, shape = type(attention_mask).__name__, list(getattr(attention_mask, "shape", ()))
-        raise ValueError(
-            f"block-sparse attention got an explicit attention mask ({kind} of shape {shape}); "
-            "it applies causal, document and window masks over the layout only: pack sequences "
-            "(position_ids restarting at 0) instead of masking them, or run with "
-            "attn_implementation='sdpa'"
-        )
+    document_ids = _documents(attention_mask, kwargs, batch, seq_len)
     config = getattr(module, "config", None)
     spec_key = _spec_key(_spec_of(config, getattr(module, "layer_idx", None)))
     layout = _layout(spec_key, seq_len, query.device)
