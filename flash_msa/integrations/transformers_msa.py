@@ -274,7 +274,8 @@ def _converted_layers(model) -> list[nn.Module]:
 def collect_kl_loss(model) -> torch.Tensor:
     """The MSA KL loss of the model's last forward: the mean over its layers of each layer's
     msa_func kl_loss. The layers' losses are cleared, so call it once per forward, before
-    the backward.
+    the backward (under activation checkpointing the backward's recomputation stores them
+    again, so a second call then returns those instead of raising).
 
     Args:
         model: a model converted by convert_to_msa or loaded by load_msa_model.
@@ -294,11 +295,11 @@ def collect_kl_loss(model) -> torch.Tensor:
         if loss is None
     ]
     if missing:
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise ValueError(
             f"no MSA forward ran in layers {missing} since the conversion or the last "
-            f"collect_kl_loss (the model's attn_implementation is "
-            f"{model.config._attn_implementation!r}); run a forward with attn_implementation "
-            f"{ATTENTION_NAME!r} first"
+            f"collect_kl_loss (the model's attn_implementation is {implementation!r}); run a "
+            f"forward with attn_implementation {ATTENTION_NAME!r} first"
         )
     for layer in layers:
         setattr(layer, _KL_LOSS, None)
