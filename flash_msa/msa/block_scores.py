@@ -5,7 +5,9 @@ q_proxy[i] . k_proxy[j]; -inf where no pair exists (c past the diagonal). One pr
 one query block of one batch for PACK proxy heads that share a proxy key head (so each key
 tile is loaded once for them, and a 64-position query block still makes a 128-row tile), and
 walks the kv blocks c <= diagonal: S = Q K^T per tile, reduced by max, never exponentiated
-and never written. Memory: the [B, H_p, nq, nk] output only.
+and never written. Memory: the [B, H_p, nq, nk] output only. With q_blocks (context
+parallelism) q_proxy holds some query blocks of the sequence k_proxy holds whole, and row i of
+the scores is global query block q_blocks[i]: masks and documents see global positions.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton.language as tl
 from flash_msa import _env
 from flash_msa.layout import check_block_size
 from flash_msa.ops.triton.common import strides
+from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
 MAX_TILE_ROWS = 128  # query rows (positions x packed heads) of one program
@@ -98,6 +101,7 @@ def _block_scores_kernel(
     stride_o_q,
     documents,
     stride_doc_b,
+    q_blocks,
     seq_len,
     num_kv_blocks,
     proxy_group,
@@ -110,20 +114,24 @@ def _block_scores_kernel(
     DOT_PRECISION: tl.constexpr,
     TAIL: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr,
+    HAS_Q_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    q_block_id = tl.program_id(0)
+    q_block_id = tl.program_id(0)  # the row of scores and the block of q_proxy
     first_head = tl.program_id(1) * PACK
     batch = tl.program_id(2).to(tl.int64)
     key_head = first_head // proxy_group  # PACK divides the group: one key head for all
 
     # Rows: Q_BLOCK positions x PACK heads, heads fastest (adjacent in [S, H, D] memory).
     rows = tl.arange(0, Q_BLOCK * PACK)  # [BLOCK_M]
-    first = q_block_id * Q_BLOCK
+    q_rows = q_block_id * Q_BLOCK + rows // PACK  # [BLOCK_M]: rows of q_proxy
+    first = q_block_id * Q_BLOCK  # global position of the block's first query
+    if HAS_Q_BLOCKS:
+        first = tl.load(q_blocks + q_block_id) * Q_BLOCK
     positions = first + rows // PACK  # [BLOCK_M]
-    row_valid = positions < seq_len
+    row_valid = positions < seq_len  # a short local block is the ragged global last one
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
-    q_offsets = positions.to(tl.int64) * stride_q_s + (first_head + rows % PACK) * stride_q_h
+    q_offsets = q_rows.to(tl.int64) * stride_q_s + (first_head + rows % PACK) * stride_q_h
     q_tile = tl.load(
         q_proxy + batch * stride_q_b + q_offsets[:, None] + dims[None, :],
         mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
@@ -189,7 +197,8 @@ def _pack(q_block: int, group: int) -> int:
     return min(group & -group, max(MAX_TILE_ROWS // q_block, 1))
 
 
-def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> None:
+def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, q_blocks, out) -> tuple:
+    """Validate block_scores' arguments; returns the scores' shape [B, H_p, nq, nk]."""
     for name, tensor in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -205,11 +214,12 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> Non
             f"q_proxy ({q_proxy.dtype}, {q_proxy.device}) and k_proxy ({k_proxy.dtype}, "
             f"{k_proxy.device}) must share dtype and device"
         )
-    (batch, seq_len, heads, dim), k_shape = q_proxy.shape, k_proxy.shape
-    if (k_shape[0], k_shape[1], k_shape[3]) != (batch, seq_len, dim):
-        raise ValueError(
-            f"k_proxy {list(k_shape)} must match q_proxy {list(q_proxy.shape)} in B, S and D_p"
-        )
+    q_shape, k_shape = q_proxy.shape, k_proxy.shape
+    batch, seq_len_q, heads = q_shape[:3]
+    matching = (0, 1, 3) if q_blocks is None else (0, 3)  # with q_blocks k_proxy is global
+    if any(k_shape[axis] != q_shape[axis] for axis in matching):
+        sizes = "B, S and D_p" if q_blocks is None else "B and D_p (it holds the whole sequence)"
+        raise ValueError(f"k_proxy {list(k_shape)} must match q_proxy {list(q_shape)} in {sizes}")
     if heads % k_shape[2] != 0:
         raise ValueError(
             f"proxy heads H_p = {heads} must be a multiple of proxy key heads H_pk = {k_shape[2]}"
@@ -221,7 +231,11 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> Non
             f"proxy_softmax_scale must be > 0 (a max is taken before scaling), "
             f"got {proxy_softmax_scale!r}"
         )
-    shape = (batch, heads, math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
+    seq_len = k_shape[1]
+    if q_blocks is not None:
+        check_query_blocks(q_blocks, seq_len_q=seq_len_q, seq_len=seq_len, q_block=q_block,
+                           device=q_proxy.device)  # fmt: skip
+    shape = (batch, heads, math.ceil(seq_len_q / q_block), math.ceil(seq_len / kv_block))
     if out is not None and (
         tuple(out.shape) != shape
         or out.dtype != torch.float32
@@ -232,6 +246,7 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out) -> Non
             f"out must be a float32 {list(shape)} tensor on {q_proxy.device} with unit last "
             f"stride, got {out.dtype} {list(out.shape)} stride {out.stride()} on {out.device}"
         )
+    return shape
 
 
 @torch.library.custom_op("flash_msa::block_scores", mutates_args={"out"})
@@ -239,28 +254,31 @@ def _block_scores(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
     document_ids: torch.Tensor | None,
+    q_blocks: torch.Tensor | None,
     out: torch.Tensor,
     q_block: int,
     kv_block: int,
     scale: float,
 ) -> None:
-    batch, seq_len, heads, dim = q_proxy.shape
+    batch, _, heads, dim = q_proxy.shape
     group = heads // k_proxy.shape[2]
     pack = _pack(q_block, group)
-    documents = out if document_ids is None else document_ids  # never read without documents
+    # Without documents or q_blocks, out stands in for their pointers (never read).
+    documents = out if document_ids is None else document_ids
     _tuned_kernel(kv_block, q_block * pack)[(out.shape[2], heads // pack, batch)](
         q_proxy=q_proxy, k_proxy=k_proxy, scores=out, **strides("q", q_proxy),
         **strides("k", k_proxy), **strides("o", out, "bhq"), documents=documents,
-        stride_doc_b=0 if document_ids is None else document_ids.stride(0), seq_len=seq_len,
+        stride_doc_b=0 if document_ids is None else document_ids.stride(0),
+        q_blocks=out if q_blocks is None else q_blocks, seq_len=k_proxy.shape[1],
         num_kv_blocks=out.shape[3], proxy_group=group, scale=scale, HEAD_DIM=dim,
         HEAD_DIM_PAD=_env.head_dim_pad(dim), Q_BLOCK=q_block, KV_BLOCK=kv_block, PACK=pack,
         DOT_PRECISION=_env.dot_precision(q_proxy.dtype), TAIL=TAIL_COLUMNS,
-        HAS_DOCUMENTS=document_ids is not None,
+        HAS_DOCUMENTS=document_ids is not None, HAS_Q_BLOCKS=q_blocks is not None,
     )  # fmt: skip
 
 
 @_block_scores.register_fake
-def _(q_proxy, k_proxy, document_ids, out, q_block, kv_block, scale):
+def _(q_proxy, k_proxy, document_ids, q_blocks, out, q_block, kv_block, scale):
     return None
 
 
@@ -272,34 +290,42 @@ def block_scores(
     kv_block: int,
     proxy_softmax_scale: float | None = None,
     document_ids: torch.Tensor | None = None,
+    q_blocks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of the module docstring; every element is written, so `out` may be
     reused across steps.
 
     Args:
-        q_proxy: [B, S, H_p, D_p]; k_proxy: [B, S, H_pk, D_p]; proxy head p reads key head
-            p // (H_p / H_pk).
+        q_proxy: [B, S_q, H_p, D_p]; k_proxy: [B, S, H_pk, D_p]; proxy head p reads key head
+            p // (H_p / H_pk). S_q = S without q_blocks.
         q_block, kv_block: the block sizes of the scores' grid.
         proxy_softmax_scale: defaults to 1 / sqrt(D_p).
         document_ids: int32 [B, S], non-decreasing along S: only pairs within one document
             count; a block sharing no document with the query block scores -inf.
-        out: fp32 [B, H_p, nq, nk] to write into.
+        q_blocks: int [nq] on q_proxy's device, or None (q_proxy holds the whole sequence):
+            the global query block of each block of q_block rows of q_proxy (context
+            parallelism), any order; only a last block may be short, and then it is the
+            ragged global last block. Row i of the scores is then row q_blocks[i] of the
+            whole sequence's scores. Its checks read it once from the device (not under
+            torch.compile).
+        out: fp32 [B, H_p, nq, nk] to write into; nq = ceil(S_q / q_block).
 
     Returns:
         fp32 [B, H_p, nq, nk] block scores (out, when given).
     """
-    _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, out)
-    batch, seq_len, heads, dim = q_proxy.shape
+    shape = _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, q_blocks, out)
+    batch, seq_len, dim = q_proxy.shape[0], k_proxy.shape[1], q_proxy.shape[3]
     scale = 1.0 / math.sqrt(dim) if proxy_softmax_scale is None else proxy_softmax_scale
     q_proxy = q_proxy if q_proxy.stride(-1) == 1 else q_proxy.contiguous()
     k_proxy = k_proxy if k_proxy.stride(-1) == 1 else k_proxy.contiguous()
     if out is None:
-        shape = (batch, heads, math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
         out = torch.empty(shape, dtype=torch.float32, device=q_proxy.device)
     if document_ids is not None:
         check_document_ids(document_ids, batch, seq_len, q_proxy.device)
         document_ids = document_ids.to(torch.int32).contiguous()
-    _block_scores(q_proxy, k_proxy, document_ids, out, q_block=q_block, kv_block=kv_block,
-                  scale=scale)  # fmt: skip
+    if q_blocks is not None:
+        q_blocks = q_blocks.to(torch.int32).contiguous()
+    _block_scores(q_proxy, k_proxy, document_ids, q_blocks, out, q_block=q_block,
+                  kv_block=kv_block, scale=scale)  # fmt: skip
     return out

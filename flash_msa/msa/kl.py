@@ -6,10 +6,13 @@ selected blocks, causal, within i's document):
   s(i, j) = softmax over the same keys of proxy_scale * q_proxy_p[i] . k_proxy[j]
   kl(i, p) = sum_j t log(t / s) = sum_j t (log t - z) + lse_proxy(i) * sum_j t
 where z is the scaled proxy logit and lse_proxy its log-sum-exp over the keys. kl_loss is the
-mean of kl over (token, proxy head). Its gradient reaches the proxy only:
-d kl_loss / d z(i, j) = (s - t) / N. Three kernels over the block layout, each recomputing the
-teacher from q, k and the main attention's lse (never stored): the forward (rows), dq_proxy
-(rows) and dk_proxy (the transposed layout: per kv block, the query blocks that use it).
+mean of kl over the N (token, proxy head) terms, or their sum. Its gradient reaches the proxy
+only: d kl_loss / d z(i, j) = (s - t) / N (N = 1 for the sum). Three kernels over the block
+layout, each recomputing the teacher from q, k and the main attention's lse (never stored):
+the forward (rows), dq_proxy (rows) and dk_proxy (the transposed layout: per kv block, the
+query blocks that use it). With q_blocks (context parallelism) the queries are some query
+blocks of the sequence the keys hold whole: local query block b sits at global query block
+q_blocks[b], where causality and documents see it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton.language as tl
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.triton.common import strides
+from flash_msa.patterns.topk import check_query_blocks
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 
@@ -35,6 +39,16 @@ def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
         doc_cols = tl.load(documents + cols, mask=cols < seq_len, other=-2)
         visible &= doc_rows[:, None] == doc_cols[None, :]
     return visible
+
+
+@triton.jit
+def _positions(q_blocks, block, rows, Q_BLOCK: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr):
+    """[Q_BLOCK] global positions of local query block `block` (rows [Q_BLOCK], its rows of
+    q_proxy, q and lse): rows themselves without q_blocks."""
+    positions = rows
+    if HAS_Q_BLOCKS:
+        positions = tl.load(q_blocks + block) * Q_BLOCK + tl.arange(0, Q_BLOCK)
+    return positions
 
 
 @triton.jit
@@ -77,37 +91,43 @@ def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.co
 
 @triton.jit
 def _kl_rows_kernel(
-    q_proxy, k_proxy, q, k, lse, documents, row_offsets, col_indices, lse_proxy, grad_scale,
-    out, kl_rows,
+    q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, lse_proxy,
+    grad_scale, out, kl_rows,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_lse_b, stride_lse_h, stride_doc_b,
-    seq_len, heads_proxy, proxy_group, kv_group, group, layout_batch_stride, heads_per_layout,
-    num_q_blocks, proxy_scale, qk_scale_log2,
+    seq_len, seq_len_q, heads_proxy, proxy_group, kv_group, group, layout_batch_stride,
+    heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr, GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, GRAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (query block, batch x proxy head), walking its CSR row. Without GRAD:
-    writes kl_rows and lse_proxy [B, H_p, S]. With GRAD: reads lse_proxy and writes
-    out = d kl_loss / d q_proxy [B, S, H_p, D_p], grad_scale holding d loss / d kl_loss / N."""
+    writes kl_rows and lse_proxy [B, H_p, S_q]. With GRAD: reads lse_proxy and writes
+    out = d kl_loss / d q_proxy [B, S_q, H_p, D_p], grad_scale holding d loss / d kl_loss / N.
+    seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS only: else both are S)."""
     block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy
     head = tl.program_id(1) % heads_proxy
+    query_len = seq_len
+    if HAS_Q_BLOCKS:
+        query_len = seq_len_q
     rows = block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
+    positions = _positions(q_blocks, block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
     documents += batch * stride_doc_b
     qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
-    qp_tile = _load_rows(qp_base, rows, stride_qp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+    qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
     kp_base = k_proxy + batch * stride_kp_b + (head // proxy_group) * stride_kp_h
     k_base = k + batch * stride_k_b + (head // kv_group) * stride_k_h
     q_group = q + batch * stride_q_b + head * group * stride_q_h
     lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
-    row_stats = batch * heads_proxy * seq_len + head * seq_len + rows  # into [B, H_p, S]
+    row_stats = batch * heads_proxy * query_len + head * query_len + rows  # into [B, H_p, S_q]
     layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
     if GRAD:
-        lse_p = tl.load(lse_proxy + row_stats, mask=rows < seq_len, other=0.0)
+        lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)
         grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)
         coefficient = tl.load(grad_scale)
     else:
@@ -117,13 +137,13 @@ def _kl_rows_kernel(
         teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-        visible = _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS)
+        visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
         kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
         k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
         logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
         teacher = _teacher(
             q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-            seq_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+            query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
         )  # fmt: skip
         if GRAD:
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
@@ -147,36 +167,40 @@ def _kl_rows_kernel(
         pointers = (out + batch * stride_qp_b + head * stride_qp_h
                     + rows.to(tl.int64)[:, None] * stride_qp_s + dims[None, :])  # fmt: skip
         tl.store(pointers, (grad_q * proxy_scale).to(out.dtype.element_ty),
-                 mask=(rows[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
+                 mask=(rows[:, None] < query_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
     else:
         seen = running_sum > 0
         lse_p = tl.where(
             seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf")
         )
         kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
-        tl.store(lse_proxy + row_stats, lse_p, mask=rows < seq_len)
-        tl.store(kl_rows + row_stats, kl, mask=rows < seq_len)
+        tl.store(lse_proxy + row_stats, lse_p, mask=rows < query_len)
+        tl.store(kl_rows + row_stats, kl, mask=rows < query_len)
 
 
 @triton.jit
 def _kl_dk_proxy_kernel(
-    q_proxy, k_proxy, q, k, lse, documents, t_row_offsets, t_col_indices, lse_proxy, grad_scale,
-    grad_k_proxy,
+    q_proxy, k_proxy, q, k, lse, documents, q_blocks, t_row_offsets, t_col_indices, lse_proxy,
+    grad_scale, grad_k_proxy,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_lse_b, stride_lse_h, stride_doc_b,
-    seq_len, heads_proxy, heads_proxy_keys, proxy_group, kv_group, group, layout_batch_stride,
-    heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
+    seq_len, seq_len_q, heads_proxy, heads_proxy_keys, proxy_group, kv_group, group,
+    layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
     key head, walks the query blocks that selected the kv block; writes d kl_loss / d k_proxy
-    [B, S, H_pk, D_p]. No atomics: every program owns its output tile."""
+    [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as in
+    _kl_rows_kernel."""
     block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy_keys
     key_head = tl.program_id(1) % heads_proxy_keys
+    query_len = seq_len
+    if HAS_Q_BLOCKS:
+        query_len = seq_len_q
     cols = block * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
     documents += batch * stride_doc_b
     kp_base = k_proxy + batch * stride_kp_b + key_head * stride_kp_h
@@ -192,16 +216,18 @@ def _kl_dk_proxy_kernel(
         layout_row = batch * layout_batch_stride + head // heads_per_layout
         column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
         for entry in range(tl.load(column), tl.load(column + 1)):
-            rows = tl.load(t_col_indices + entry) * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
-            visible = _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS)
-            qp_tile = _load_rows(qp_base, rows, stride_qp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+            q_block = tl.load(t_col_indices + entry)
+            rows = q_block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
+            positions = _positions(q_blocks, q_block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
+            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+            qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             teacher = _teacher(
                 q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-                seq_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
             )  # fmt: skip
-            row_stats = batch * heads_proxy * seq_len + head * seq_len + rows
-            lse_p = tl.load(lse_proxy + row_stats, mask=rows < seq_len, other=0.0)
+            row_stats = batch * heads_proxy * query_len + head * query_len + rows
+            lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)
             grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
             grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
                             input_precision=DOT_PRECISION)  # fmt: skip
@@ -212,28 +238,38 @@ def _kl_dk_proxy_kernel(
              mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
 
 
-def _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, layout: BlockLayout, scales):
+def _kernel_arguments(
+    q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout: BlockLayout, scales
+):
     """The keyword arguments the three kernels share."""
-    batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
+    batch, seq_len_q, heads_proxy, proxy_dim = q_proxy.shape
     heads_q, heads_kv, dim = q.shape[2], k.shape[2], q.shape[3]
     proxy_scale, softmax_scale = scales
     has_documents = documents is not None
     documents = documents if has_documents else lse.new_zeros(1, dtype=torch.int32)
     return dict(
         q_proxy=q_proxy, k_proxy=k_proxy, q=q, k=k, lse=lse, documents=documents,
+        q_blocks=documents if q_blocks is None else q_blocks,  # never read without q_blocks
         **strides("qp", q_proxy), **strides("kp", k_proxy), **strides("q", q), **strides("k", k),
         **strides("lse", lse, "bh"), stride_doc_b=documents.stride(0) if has_documents else 0,
-        seq_len=seq_len, heads_proxy=heads_proxy, proxy_group=heads_proxy // k_proxy.shape[2],
+        seq_len=k.shape[1], seq_len_q=seq_len_q, heads_proxy=heads_proxy,
+        proxy_group=heads_proxy // k_proxy.shape[2],
         kv_group=heads_proxy // heads_kv, group=heads_q // heads_proxy,
         layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, proxy_scale=proxy_scale,
         qk_scale_log2=softmax_scale * _env.LOG2_E, HEAD_DIM=dim,
         HEAD_DIM_PAD=_env.head_dim_pad(dim), PROXY_DIM=proxy_dim,
         PROXY_DIM_PAD=_env.head_dim_pad(proxy_dim), Q_BLOCK=layout.q_block,
-        KV_BLOCK=layout.kv_block, HAS_DOCUMENTS=has_documents,
+        KV_BLOCK=layout.kv_block, HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION=_env.dot_precision(q.dtype),
         num_warps=4 if layout.q_block * layout.kv_block <= 64 * 64 else 8, num_stages=1,
     )  # fmt: skip
+
+
+def _divisor(reduction: str, terms: int) -> int:
+    """What the sum of the kl terms is divided by: their count for the mean (at least 1: a
+    batch of 0 has a loss of 0), 1 for the sum."""
+    return max(terms, 1) if reduction == "mean" else 1
 
 
 @torch.library.custom_op("flash_msa::proxy_kl_forward", mutates_args=())
@@ -244,6 +280,7 @@ def _kl_forward(
     k: torch.Tensor,
     lse: torch.Tensor,
     documents: torch.Tensor | None,
+    q_blocks: torch.Tensor | None,
     row_offsets: torch.Tensor,
     col_indices: torch.Tensor,
     t_row_offsets: torch.Tensor,
@@ -251,12 +288,13 @@ def _kl_forward(
     sizes: list[int],
     proxy_softmax_scale: float,
     softmax_scale: float,
+    reduction: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S])."""
+    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S_q])."""
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
-    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, layout,
+    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
     batch, seq_len, heads_proxy, _ = q_proxy.shape
     lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
@@ -266,7 +304,7 @@ def _kl_forward(
         grad_scale=lse_proxy, out=q_proxy, kl_rows=kl_rows, num_q_blocks=layout.num_q_blocks,
         GRAD=False, **arguments,
     )  # fmt: skip
-    return kl_rows.sum() / max(kl_rows.numel(), 1), lse_proxy  # batch 0: a loss of 0
+    return kl_rows.sum() / _divisor(reduction, kl_rows.numel()), lse_proxy
 
 
 @_kl_forward.register_fake
@@ -284,6 +322,7 @@ def _kl_backward(
     k: torch.Tensor,
     lse: torch.Tensor,
     documents: torch.Tensor | None,
+    q_blocks: torch.Tensor | None,
     lse_proxy: torch.Tensor,
     row_offsets: torch.Tensor,
     col_indices: torch.Tensor,
@@ -292,16 +331,18 @@ def _kl_backward(
     sizes: list[int],
     proxy_softmax_scale: float,
     softmax_scale: float,
+    reduction: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d q_proxy, d loss / d k_proxy), from d loss / d kl_loss."""
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
-    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, layout,
+    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
     batch, _, heads_proxy, _ = q_proxy.shape
     heads_proxy_keys = k_proxy.shape[2]
-    grad_scale = (grad_loss / max(lse_proxy.numel(), 1)).float().reshape(1)  # no host sync
+    divisor = _divisor(reduction, lse_proxy.numel())
+    grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
     grad_q_proxy = torch.empty_like(q_proxy)
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
         row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
@@ -323,18 +364,18 @@ def _(grad_loss, q_proxy, k_proxy, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    (q_proxy, k_proxy, q, k, lse, documents, row_offsets, col_indices, t_row_offsets,
-     t_col_indices, sizes, proxy_softmax_scale, softmax_scale) = inputs  # fmt: skip
-    ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, output[1], row_offsets,
-                          col_indices, t_row_offsets, t_col_indices)  # fmt: skip
+    (q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, t_row_offsets,
+     t_col_indices, sizes, proxy_softmax_scale, softmax_scale, reduction) = inputs  # fmt: skip
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, q_blocks, output[1],
+                          row_offsets, col_indices, t_row_offsets, t_col_indices)  # fmt: skip
     ctx.options = dict(sizes=sizes, proxy_softmax_scale=proxy_softmax_scale,
-                       softmax_scale=softmax_scale)  # fmt: skip
+                       softmax_scale=softmax_scale, reduction=reduction)  # fmt: skip
     ctx.mark_non_differentiable(output[1])
 
 
 def _autograd_backward(ctx, grad_loss, _grad_lse_proxy):
     grad_q_proxy, grad_k_proxy = _kl_backward(grad_loss, *ctx.saved_tensors, **ctx.options)
-    return (grad_q_proxy, grad_k_proxy) + (None,) * 11
+    return (grad_q_proxy, grad_k_proxy) + (None,) * 13
 
 
 _kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -351,28 +392,54 @@ def proxy_kl_loss(
     softmax_scale: float,
     proxy_softmax_scale: float,
     document_ids: torch.Tensor | None = None,
+    q_blocks: torch.Tensor | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """The KL loss of the module docstring, differentiable in q_proxy and k_proxy only.
 
-    Inputs are assumed valid (msa_func checks them); this is the tensors' one boundary
-    before the kernels (they are made contiguous here).
+    Inputs are assumed valid (msa_func checks them), but for q_blocks and reduction; this is
+    the tensors' one boundary before the kernels (they are made contiguous here).
 
     Args:
-        q_proxy: [B, S, H_p, D_p]; k_proxy: [B, S, H_pk, D_p].
-        q: [B, S, H_q, D]; k: [B, S, H_kv, D]; lse: fp32 [B, H_q, S] of the main attention
-            over `layout` (causal; layout_heads dividing H_p, layout_batch 1 or B).
+        q_proxy: [B, S_q, H_p, D_p]; k_proxy: [B, S, H_pk, D_p]; S_q = S without q_blocks.
+        q: [B, S_q, H_q, D]; k: [B, S, H_kv, D]; lse: fp32 [B, H_q, S_q] of the main
+            attention over `layout` (causal; layout_heads dividing H_p, layout_batch 1 or B;
+            seq_len_q S_q, seq_len_kv S).
         softmax_scale, proxy_softmax_scale: the main and the proxy attention's scales.
         document_ids: int32 [B, S] or None.
+        q_blocks: int [layout.num_q_blocks] on q_proxy's device, or None (the queries are the
+            whole sequence): the global query block of each block of q_block rows of q_proxy,
+            q and lse (context parallelism: k_proxy and k hold the whole sequence, layout's
+            rows are these blocks, its columns global kv blocks); only a last block may be
+            short, and then it is the ragged global last block. Its checks read it once from
+            the device (not under torch.compile).
+        reduction: "mean" over the N = B * S_q * H_p (batch, token, proxy head) terms, or
+            their "sum": with q_blocks, each rank's sum and N add up, across ranks, to the
+            whole sequence's, and the sums' gradients to its gradient times the global N.
 
     Returns:
-        kl_loss, an fp32 scalar: the mean over (batch, token, proxy head).
+        kl_loss, an fp32 scalar.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if q_blocks is not None:
+        lengths = (q_proxy.shape[1], k_proxy.shape[1])
+        if (layout.seq_len_q, layout.seq_len_kv) != lengths:
+            raise ValueError(
+                f"with q_blocks, layout must have seq_len_q = {lengths[0]} (q_proxy's rows) and "
+                f"seq_len_kv = {lengths[1]} (k_proxy's, the whole sequence), got "
+                f"{layout.seq_len_q} and {layout.seq_len_kv}: pass the rank's local layout"
+            )
+        check_query_blocks(q_blocks, seq_len_q=lengths[0], seq_len=lengths[1],
+                           q_block=layout.q_block, device=q_proxy.device)  # fmt: skip
+        q_blocks = q_blocks.to(torch.int32).contiguous()
     q_proxy, k_proxy = q_proxy.contiguous(), k_proxy.contiguous()
     q, k, lse = (tensor.detach().contiguous() for tensor in (q, k, lse))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
     loss, _ = _kl_forward(
-        q_proxy, k_proxy, q, k, lse, document_ids, **layout.op_arguments(),
+        q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, **layout.op_arguments(),
         proxy_softmax_scale=proxy_softmax_scale, softmax_scale=softmax_scale,
+        reduction=reduction,
     )  # fmt: skip
     return loss

@@ -1,12 +1,16 @@
 """Top-k layout from block scores (learned or heuristic selection).
 
 Query block b has its diagonal kv block d(b) = (min((b + 1) * q_block, S_q) - 1) // kv_block,
-the block of its last query and the last holding a causal pair. Scores are ranked through
+the block of its last query and the last holding a causal pair. With q_blocks (context
+parallelism: some query blocks of a sequence of S_kv tokens) row i is global query block
+q_blocks[i], its diagonal d(q_blocks[i]) with S_kv as the length. Scores are ranked through
 int64 keys, distinct within a row and ordered as (score, -column), so ties go to the lower
 block index whatever order the device's top-k returns equal values in.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -33,6 +37,64 @@ def _ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered.long() * (1 << 32) + reversed_index
 
 
+def check_query_blocks(
+    q_blocks, *, seq_len_q: int, seq_len: int, q_block: int, device
+) -> torch.Tensor:
+    """Check q_blocks, the global query block of each local block of q_block rows (a rank's
+    query rows in context parallelism), and return it as int64.
+
+    The seq_len_q local rows sit back to back: local block i holds rows [i * q_block,
+    min((i + 1) * q_block, seq_len_q)), global positions q_blocks[i] * q_block onward in a
+    sequence of seq_len tokens. So every local block is whole but a last one that is the
+    ragged global last block. Its values are checked with one read from the device, but not
+    while torch.compile traces (where nothing is read).
+
+    Args:
+        q_blocks: int [ceil(seq_len_q / q_block)] on device, any order.
+        seq_len_q, seq_len: local rows and global tokens; q_block: the block size.
+
+    Returns:
+        q_blocks as int64.
+    """
+    if not isinstance(q_blocks, torch.Tensor):
+        raise TypeError(f"q_blocks must be a torch.Tensor, got {type(q_blocks).__name__}")
+    if q_blocks.is_floating_point() or q_blocks.is_complex() or q_blocks.dtype == torch.bool:
+        raise TypeError(
+            f"q_blocks must hold integer block indices, got {q_blocks.dtype}; convert with .int()"
+        )
+    if q_blocks.device != device:
+        raise ValueError(f"q_blocks is on {q_blocks.device} but the tensors on {device}; move it")
+    num_local = math.ceil(seq_len_q / q_block)
+    if tuple(q_blocks.shape) != (num_local,):
+        raise ValueError(
+            f"q_blocks must be 1-D with the global block of each local query block: "
+            f"{num_local} for {seq_len_q} local rows in blocks of {q_block}, got shape "
+            f"{list(q_blocks.shape)}"
+        )
+    q_blocks = q_blocks.long()
+    if num_local == 0 or torch.compiler.is_compiling():  # torch.compile traces no values
+        return q_blocks
+    local = torch.arange(num_local, device=device)
+    local_rows = (seq_len_q - local * q_block).clamp(max=q_block)  # [num_local]
+    global_rows = (seq_len - q_blocks * q_block).clamp(max=q_block)  # [num_local]
+    first_mismatch = torch.where(local_rows != global_rows, local, num_local).min()
+    low, high, mismatch = torch.stack([q_blocks.min(), q_blocks.max(), first_mismatch]).tolist()
+    count = math.ceil(seq_len / q_block)
+    if low < 0 or high >= count:
+        raise ValueError(
+            f"q_blocks must lie in [0, {count}) (the {q_block}-token query blocks of "
+            f"seq_len={seq_len}), got values from {low} to {high}"
+        )
+    if mismatch < num_local:
+        raise ValueError(
+            f"local query block {mismatch} holds {int(local_rows[mismatch])} rows but global "
+            f"query block {int(q_blocks[mismatch])} of seq_len={seq_len} has "
+            f"{int(global_rows[mismatch])}: each local block holds its global block's rows "
+            f"(whole blocks of {q_block}; the ragged global last block only as the last one)"
+        )
+    return q_blocks
+
+
 def topk(
     block_scores: torch.Tensor,
     k: int,
@@ -46,6 +108,7 @@ def topk(
     kv_block: int | None = None,
     fixed_counts: bool = False,
     chunk_elements: int = CHUNK_ELEMENTS,
+    q_blocks: torch.Tensor | None = None,
     device=None,
 ) -> BlockLayout:
     """The k highest-scoring blocks of each row (ties to the lower block index).
@@ -59,6 +122,10 @@ def topk(
       nnz follows from the geometry: no host synchronisation, no data-dependent shape, so
       torch.compile(fullgraph=True) traces it. With causal and include_diagonal this is
       MSA's selection (the diagonal plus the k - 1 best earlier blocks).
+    With q_blocks, its checks read it once from the device (not under torch.compile), and
+    fixed_counts with causal reads the sum of the rows' counts: nnz then depends on which
+    global blocks the rows are, so this host synchronisation, on q_blocks and not on the
+    scores, is unavoidable.
 
     Args:
         block_scores: float32, float16 or bfloat16 [nq, nk], [H, nq, nk] or [B, H, nq, nk].
@@ -67,6 +134,11 @@ def topk(
         block_size: q_block and kv_block when they are not given.
         chunk_elements: scores ranked at a time (their int64 keys and temporaries are the
             memory the ranking takes; whole rows, at least one).
+        q_blocks: int [nq] on block_scores' device, or None (rows 0, 1, ...): the global query
+            block of each row, in a sequence of seq_len_kv tokens of which the rows hold
+            seq_len_q (only a last row may be short, and then it is the ragged global last
+            block; see check_query_blocks). The layout is then the rows q_blocks of the
+            layout the whole sequence's scores give, seq_len_q its query length.
 
     Returns:
         A BlockLayout with layout_batch and layout_heads from block_scores' leading sizes.
@@ -81,11 +153,19 @@ def topk(
         )
     if not is_int(k) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
+    if q_blocks is not None:
+        q_blocks = check_query_blocks(
+            q_blocks, seq_len_q=meta["seq_len_q"], seq_len=meta["seq_len_kv"],
+            q_block=meta["q_block"], device=block_scores.device,
+        )  # fmt: skip
     scores = block_scores.to(device) if device is not None else block_scores
     num_q_blocks, num_kv_blocks = scores.shape[-2:]
     scores = scores.reshape(-1, num_q_blocks, num_kv_blocks)  # [L, nq, nk]
     num_layouts = scores.shape[0]
-    diagonal = diagonals(torch.arange(num_q_blocks, device=scores.device), meta)  # [nq]
+    if q_blocks is None:
+        diagonal = diagonals(torch.arange(num_q_blocks, device=scores.device), meta)  # [nq]
+    else:  # global blocks of the seq_len_kv-token sequence
+        diagonal = diagonals(q_blocks.to(scores.device), dict(meta, seq_len_q=meta["seq_len_kv"]))
     columns = torch.arange(num_kv_blocks, device=scores.device)
     picks = min(k, num_kv_blocks)
     # Keys above this belong to scores > -inf (or the kept diagonal).
@@ -120,7 +200,7 @@ def topk(
 
     if causal:
         counts = (diagonal + 1).clamp(max=picks)  # [nq]
-        per_layout = diagonal_total(meta, picks)
+        per_layout = diagonal_total(meta, picks) if q_blocks is None else int(counts.sum())
     else:
         counts = torch.full_like(diagonal, picks)
         per_layout = num_q_blocks * picks

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flash_msa.msa import block_scores, block_scores_reference
+from flash_msa.sequences import document_ids_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 
@@ -126,6 +127,102 @@ def test_block_scores_rejects_bad_arguments():
         block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, out=torch.empty(2, 4, 2, 3))
 
 
+# ---- a rank's query blocks (context parallelism) -----------------------------------------
+# (S, q_block, kv_block, blocks, documents): ragged global ends, q_block < kv_block, equal
+# blocks, q_block > kv_block; head-tail chunks or a random subset; documents or not.
+RANK_CASES = [
+    (333, 32, 64, "head-tail", True),
+    (333, 32, 64, "random", False),
+    (200, 16, 32, "head-tail", False),
+    (400, 64, 32, "random", True),
+]
+
+
+def rank_blocks(num_blocks, kind):
+    """A rank's global query blocks, ascending: two head-tail chunks (the first and the last
+    three blocks), or a seeded random subset."""
+    if kind == "head-tail":
+        return torch.tensor([0, 1, 2, num_blocks - 3, num_blocks - 2, num_blocks - 1])
+    picked = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_blocks))
+    return picked[: num_blocks // 2].sort().values
+
+
+def rank_tokens(q_blocks, q_block, seq_len):
+    """The global positions of the rows of q_blocks, back to back."""
+    return torch.cat([torch.arange(b * q_block, min((b + 1) * q_block, seq_len))
+                      for b in q_blocks.tolist()])  # fmt: skip
+
+
+@pytest.mark.parametrize("case", RANK_CASES, ids=str)
+def test_block_scores_of_query_blocks_equal_the_global_rows(case):
+    """q_proxy holds a rank's rows, k_proxy the whole sequence: each row of scores is,
+    bit for bit, the whole sequence's row of its global block (documents crossing the
+    chunks' edges)."""
+    seq_len, q_block, kv_block, kind, documents = case
+    q_proxy, k_proxy = _inputs(seq_len, 2, 1, 16, seed=seq_len, device=DEVICE)
+    document_ids = None
+    if documents:
+        bounds = torch.tensor([0, 50, 100, 270, seq_len], dtype=torch.int32, device=DEVICE)
+        document_ids = document_ids_of(bounds)[None].expand(2, -1)
+    common = dict(q_block=q_block, kv_block=kv_block, document_ids=document_ids)
+    whole = block_scores(q_proxy, k_proxy, **common)
+    q_blocks = rank_blocks(whole.shape[2], kind)
+    tokens = rank_tokens(q_blocks, q_block, seq_len).to(DEVICE)
+    out = torch.full((2, 2, len(q_blocks), whole.shape[3]), float("nan"), device=DEVICE)
+    scores = block_scores(q_proxy[:, tokens], k_proxy, **common, q_blocks=q_blocks.to(DEVICE),
+                          out=out)  # fmt: skip
+    assert scores is out
+    assert torch.equal(scores, whole[:, :, q_blocks.to(DEVICE)])
+
+
+def test_block_scores_of_query_blocks_compile_in_one_graph():
+    torch._dynamo.reset()
+    q_proxy, k_proxy = _inputs(300, 2, 1, 16, seed=4, device=DEVICE)
+    q_blocks = torch.tensor([1, 2, 9], device=DEVICE)  # 9: the ragged last block
+    local = q_proxy[:, rank_tokens(q_blocks.cpu(), 32, 300).to(DEVICE)]
+
+    def scores(local, k_proxy):
+        return block_scores(local, k_proxy, q_block=32, kv_block=64, q_blocks=q_blocks)
+
+    compiled = torch.compile(scores, fullgraph=True, backend="aot_eager")(local, k_proxy)
+    assert torch.equal(compiled, scores(local, k_proxy))
+
+
+@pytest.mark.parametrize(
+    "q_blocks, error, match",
+    [
+        ([0, 3, 9], TypeError, "q_blocks must be a torch.Tensor, got list"),
+        (torch.tensor([0.0, 3.0, 9.0]), TypeError, "integer block indices, got torch.float32"),
+        (torch.tensor([True, False, True]), TypeError, "integer block indices, got torch.bool"),
+        (torch.tensor([0, 3, 9], device="meta"), ValueError, "q_blocks is on meta but the"),
+        (torch.tensor([0, 3]), ValueError, r"3 for 76 local rows .* got shape \[2\]"),
+        (torch.tensor([[0, 3, 9]]), ValueError, r"got shape \[1, 3\]"),
+        (torch.tensor([0, 3, 10]), ValueError, r"lie in \[0, 10\) .* from 0 to 10"),
+        (torch.tensor([-1, 3, 9]), ValueError, "from -1 to 9"),
+        (torch.tensor([0, 3, 8]), ValueError, "block 2 holds 12 rows but global query block 8"),
+        (torch.tensor([9, 3, 0]), ValueError, "block 0 holds 32 rows but global query block 9"),
+    ],
+)
+def test_block_scores_reject_bad_query_blocks(q_blocks, error, match):
+    """300 tokens in blocks of 32: global blocks 0..9, block 9 holds 12; a rank of 76 rows."""
+    q_proxy, k_proxy = _inputs(300, 2, 1, 16)
+    with pytest.raises(error, match=match):
+        block_scores(q_proxy[:, :76], k_proxy, q_block=32, kv_block=64, q_blocks=q_blocks)
+
+
+def test_block_scores_of_query_blocks_reject_bad_tensors():
+    q_proxy, k_proxy = _inputs(300, 2, 1, 16)
+    q_blocks = torch.tensor([0, 9])
+    with pytest.raises(ValueError, match=r"in B and D_p \(it holds the whole sequence\)"):
+        block_scores(q_proxy[:, :44], k_proxy[..., :8], q_block=32, kv_block=64, q_blocks=q_blocks)
+    with pytest.raises(ValueError, match=r"document_ids must be \[batch, seq_len\] = \[2, 300\]"):
+        block_scores(q_proxy[:, :44], k_proxy, q_block=32, kv_block=64, q_blocks=q_blocks,
+                     document_ids=torch.zeros(2, 44, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"out must be a float32 \[2, 2, 2, 5\]"):
+        block_scores(q_proxy[:, :44], k_proxy, q_block=32, kv_block=64, q_blocks=q_blocks,
+                     out=torch.empty(2, 2, 10, 5))  # fmt: skip
+
+
 SM90_COMPILE = """
 import importlib, os, re, subprocess, sys
 import triton
@@ -139,12 +236,12 @@ configs = module._configs(KV_BLOCK, Q_BLOCK * PACK)
 for config in (configs[0], configs[-1]):
     constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
                       PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS,
-                      HAS_DOCUMENTS=False, **config.kwargs)
+                      HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False, **config.kwargs)
     signature = {
         arg: "constexpr" if arg in constexprs
         else "*bf16" if arg in ("q_proxy", "k_proxy")
         else "*fp32" if arg == "scores"
-        else "*i32" if arg == "documents"
+        else "*i32" if arg in ("documents", "q_blocks")
         else "fp32" if arg == "scale"
         else "i32"
         for arg in module._block_scores_kernel.arg_names

@@ -303,3 +303,56 @@ def test_diagonal_total_counts_the_rows(q_block, kv_block):
         for limit in [1, 2, 3, 7, 64, 10**9]:
             expected = sum(min(limit, d + 1) for d in _diagonals(seq_len, q_block, kv_block))
             assert diagonal_total(meta, limit) == expected, (seq_len, limit)
+
+
+# ---- a rank's query blocks (context parallelism) -----------------------------------------
+# (S, q_block, kv_block, q_blocks): ragged global ends, q_block below, equal to and above
+# kv_block; head-tail chunks, a subset without the last block, one in any order.
+RANK_CASES = [
+    (333, 32, 64, [0, 1, 2, 8, 9, 10]),
+    (333, 16, 32, [1, 4, 5, 11, 12, 17, 20]),
+    (300, 32, 32, [0, 2, 3, 6]),
+    (400, 64, 32, [5, 0, 3, 6]),
+]
+
+
+@pytest.mark.parametrize("case", RANK_CASES, ids=str)
+@pytest.mark.parametrize("causal, include_diagonal", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("fixed_counts", [True, False])
+def test_topk_of_query_blocks_equal_the_global_rows(case, causal, include_diagonal, fixed_counts):
+    """Scores of a rank's rows (seq_len_q local, seq_len_kv global) select the whole
+    sequence's rows of those blocks, for every mode."""
+    seq_len, q_block, kv_block, q_blocks = case
+    q_blocks = torch.tensor(q_blocks)
+    grid = (math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
+    generator = torch.Generator().manual_seed(len(q_blocks))
+    scores = torch.randint(-1, 3, (2, 3, *grid), generator=generator).float()
+    scores[scores == -1] = float("-inf")  # ties and -inf everywhere
+    common = dict(include_diagonal=include_diagonal, causal=causal, q_block=q_block,
+                  kv_block=kv_block, fixed_counts=fixed_counts)  # fmt: skip
+    whole = patterns.topk(scores, 3, seq_len_q=seq_len, **common)
+    local_len = sum(min(q_block, seq_len - b * q_block) for b in q_blocks.tolist())
+    layout = patterns.topk(scores[:, :, q_blocks], 3, seq_len_q=local_len, seq_len_kv=seq_len,
+                           q_blocks=q_blocks, **common)  # fmt: skip
+    layout._validate()
+    sizes = (layout.seq_len_q, layout.seq_len_kv, layout.num_q_blocks)
+    assert sizes == (local_len, seq_len, len(q_blocks))
+    assert torch.equal(layout.to_dense(), whole.to_dense()[:, q_blocks])
+
+
+@pytest.mark.parametrize(
+    "q_blocks, error, match",
+    [
+        (torch.tensor([0.0, 9.0]), TypeError, "integer block indices, got torch.float32"),
+        (torch.tensor([0, 9], device="meta"), ValueError, "q_blocks is on meta but the"),
+        (torch.tensor([0, 4, 9]), ValueError, r"2 for 44 local rows .* got shape \[3\]"),
+        (torch.tensor([0, 10]), ValueError, r"lie in \[0, 10\) .* from 0 to 10"),
+        (torch.tensor([0, 8]), ValueError, "block 1 holds 12 rows but global query block 8"),
+    ],
+)
+def test_topk_rejects_bad_query_blocks(q_blocks, error, match):
+    """300 tokens in blocks of 32: global blocks 0..9, block 9 holds 12; a rank of 44 rows."""
+    scores = torch.zeros(1, 1, 2, 5)
+    with pytest.raises(error, match=match):
+        patterns.topk(scores, 2, seq_len_q=44, seq_len_kv=300, q_block=32, kv_block=64,
+                      fixed_counts=True, q_blocks=q_blocks)  # fmt: skip
