@@ -414,8 +414,9 @@ def proxy_kl_loss(
             short, and then it is the ragged global last block. Its checks read it once from
             the device (not under torch.compile).
         reduction: "mean" over the N = B * S_q * H_p (batch, token, proxy head) terms, or
-            their "sum": with q_blocks, each rank's sum and N add up, across ranks, to the
-            whole sequence's, and the sums' gradients to its gradient times the global N.
+            their "sum". Over ranks whose q_blocks partition the query blocks, the sums, the
+            N and the sums' gradients add up to the whole sequence's: its mean is the
+            all-reduced sum over the all-reduced N.
 
     Returns:
         kl_loss, an fp32 scalar.

@@ -194,12 +194,13 @@ def test_proxy_kl_loss_of_query_blocks_equal_the_global_rows(documents, kind):
     ],
 )
 def test_proxy_kl_loss_rejects_bad_query_blocks(q_blocks, error, match):
-    """200 tokens in blocks of 32: global blocks 0..6, block 6 holds 8; a rank of 40 rows."""
-    tensors = _inputs(seed=9)
-    layout = patterns.causal(SEQ_LEN, q_block=Q_BLOCK, kv_block=KV_BLOCK, device=DEVICE)
+    """200 tokens in blocks of 32: global blocks 0..6, block 6 holds 8; a rank of 40 rows
+    (on the CPU: the checks come before the kernels)."""
+    tensors = {name: tensor.cpu() for name, tensor in _inputs(seed=9).items()}
+    layout = patterns.causal(SEQ_LEN, q_block=Q_BLOCK, kv_block=KV_BLOCK)
     _, local = _rank_layouts(layout, torch.tensor([0, 6]), 40)
     rows = {name: tensors[name][:, :40] for name in ("q_proxy", "q")}
-    lse = torch.zeros(BATCH, HEADS_Q, 40, device=DEVICE)
+    lse = torch.zeros(BATCH, HEADS_Q, 40)
     with pytest.raises(error, match=match):
         proxy_kl_loss(rows["q_proxy"], tensors["k_proxy"], rows["q"], tensors["k"], lse, local,
                       softmax_scale=1.0, proxy_softmax_scale=1.0, q_blocks=q_blocks)  # fmt: skip
