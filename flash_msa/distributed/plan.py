@@ -245,6 +245,7 @@ class CpPlan:
         self.busiest_cost = {balance: max(self.model_cost())}
         self._exchanges: dict[int, RankExchange] = {}
         self._digest: int | None = None
+        self._gather_index: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (
@@ -347,6 +348,14 @@ class CpPlan:
             if recv_blocks.numel()
             else None,
         )
+
+    def gather_index(self) -> torch.Tensor:
+        """int64 [S]: where each global token sits in the rank-order concatenation of every
+        rank's shard, so that whole = torch.cat(shards, 1)[:, plan.gather_index()]."""
+        if self._gather_index is None:
+            order = torch.cat([self.token_index(rank) for rank in range(self.world_size)])
+            self._gather_index = torch.argsort(order)
+        return self._gather_index
 
     def digest(self) -> int:
         """A 63-bit fingerprint of the plan (layout, block sizes, owners): ranks compare it

@@ -14,9 +14,10 @@ from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 
-def _check(
+def check_msa_inputs(
     q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens
 ) -> None:
+    """msa_func's checks of its tensors and options (TypeError / ValueError naming them)."""
     rank = 3 if cu_seqlens is not None else 4
     shape = "[T, H, D]" if rank == 3 else "[B, S, H, D]"
     named = (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("q", q), ("k", k), ("v", v))
@@ -126,7 +127,9 @@ def msa_func(
         >>> out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, top_k=16)
         >>> (task_loss(out) + 0.1 * kl_loss).backward()
     """
-    _check(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens)
+    check_msa_inputs(
+        q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens
+    )
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
         reason, error = refusal
