@@ -6,6 +6,7 @@ Needs a process in which TRITON_INTERPRET is not set (the tests run it in a subp
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -55,30 +56,46 @@ def overlapped_exponentials(sass: str) -> int:
     return best
 
 
+def sass_fingerprint(sass: str) -> str:
+    """A digest of the instructions of a cuobjdump listing, without addresses and encodings
+    and with immediates of five hex digits or more replaced (shared-memory offsets, which
+    move with the bytes warp_specialize passes to its partitions): equal for equal code."""
+    instructions = []
+    for line in sass.splitlines():
+        match = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?)\s*;", line)
+        if match:
+            instruction = " ".join(match.group(1).split())
+            instructions.append(re.sub(r"0x[0-9a-f]{5,}", "IMM", instruction))
+    return hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16]
+
+
 def compile_forward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 3,
-    pingpong: bool = True,
+    pingpong: bool = True, masks=None,
 ) -> dict:  # fmt: skip
-    """Compile forward._forward_kernel for sm_90a and report {"registers": what ptxas
-    allocates a thread at launch, "max_register": 1 + the highest register the SASS names
-    (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets,
-    "spills": bytes of spill stores, "shared": bytes of shared memory, "wgmma": whether it
-    uses Hopper's warpgroup MMA, "overlapped_exps": see overlapped_exponentials,
-    "warnings": ptxas's warnings (e.g. wgmma serialised), "sass": path of the SASS}."""
+    """Compile forward._forward_kernel for sm_90a with the forward.Masks `masks` (None: none,
+    the path of full blocks) and report {"registers": what ptxas allocates a thread at
+    launch, "max_register": 1 + the highest register the SASS names (the consumers' need
+    under setmaxnreg), "setmaxnreg": the per-warpgroup budgets, "spills": bytes of spill
+    stores, "shared": bytes of shared memory, "wgmma": whether it uses Hopper's warpgroup
+    MMA, "overlapped_exps": see overlapped_exponentials, "warnings": ptxas's warnings (e.g.
+    wgmma serialised), "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flash_msa.ops.gluon import forward
 
+    masks = forward.Masks() if masks is None else masks
     kernel = forward._forward_kernel
     types = dict(
         q_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
         o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
         k_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
         v_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
-        lse="*fp32", row_offsets="*i32", col_indices="*i32", qk_scale="fp32",
+        lse="*fp32", row_offsets="*i32", col_indices="*i32", qk_scale="fp32", out=f"*{dtype}",
+        document_first="*i32", document_last="*i32",
     )  # fmt: skip
-    constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong)
+    constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, **masks.constexprs())
     signature = {
         arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names
     }
@@ -86,7 +103,9 @@ def compile_forward(
         GluonASTSource(kernel, signature, constexprs), target=GPUTarget(*TARGET),
         options=dict(num_warps=4, maxnreg=forward.MAX_REGISTERS),
     )  # fmt: skip
-    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{'pingpong' if pingpong else 'plain'}"
+    turns = "pingpong" if pingpong else "plain"
+    flags = "".join(f"_{name}" for name, value in masks._asdict().items() if value)
+    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{flags}"
     assembled = assemble_for_sm90(compiled.asm["ptx"], workdir, name)
     cubin = assembled["cubin"]
     sass = subprocess.run(
@@ -105,5 +124,6 @@ def compile_forward(
         wgmma="wgmma.mma_async" in compiled.asm["ptx"],
         overlapped_exps=overlapped_exponentials(sass),
         warnings=assembled["warnings"],
+        fingerprint=sass_fingerprint(sass),
         sass=sass_path,
     )
