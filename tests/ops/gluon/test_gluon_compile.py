@@ -185,6 +185,16 @@ def dense_layout(seq_len_q, seq_len_kv=None) -> BlockLayout:
     return patterns.from_dense_mask(mask, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
 
 
+def above_the_diagonal(seq_len: int, row: int) -> BlockLayout:
+    """The causal diagonal for every block row but `row`, which has the two blocks after it
+    only: under the causal mask its queries see no key."""
+    num_blocks = -(-seq_len // 128)
+    mask = torch.eye(num_blocks, dtype=torch.bool)
+    mask[row] = False
+    mask[row, row + 1 : row + 3] = True
+    return patterns.from_dense_mask(mask, seq_len_q=seq_len)
+
+
 def random_document_ids(batch: int, seq_len: int, seed: int) -> torch.Tensor:
     """int32 [B, S], non-decreasing: runs of 1 to 400 tokens, some of one token."""
     generator = torch.Generator().manual_seed(seed)
@@ -243,10 +253,12 @@ GPU_CASES = {
                                         causal=True, documents=True),
     "documents-window-64": Case(2, 833, 833, 2, 2, 64, lambda: dense_layout(833),
                                 window_size=(64, 64), documents=True),
-    # per-head layouts under the causal mask: blocks above the diagonal see nothing, rows
-    # that see nothing have zero output and lse -inf
+    # blocks above the diagonal hide every score: rows that see nothing have zero output and
+    # lse -inf; per-head layouts
     "causal-per-head-random-128": Case(2, 700, 700, 4, 4, 128,
                                        lambda: random_layout(2, 4, 700, 0.5, seed=3), causal=True),
+    "causal-sees-nothing-128": Case(1, 640, 640, 2, 2, 128, lambda: above_the_diagonal(640, 2),
+                                    causal=True),
     "causal-kv-heads-random-64": Case(1, 1000, 1000, 4, 2, 64,
                                       lambda: random_layout(1, 2, 1000, 0.4, 5, empty_row=True),
                                       causal=True),
