@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -517,6 +518,35 @@ class BlockLayout:
         figure.tight_layout()
         figure.savefig(path, dpi=100, facecolor="white")
         plt.close(figure)
+
+
+class BlockPositions(NamedTuple):
+    """Where a layout's blocks sit in a longer sequence: the op's `positions=`, for a rank of
+    context parallelism that computes some query blocks of a sequence from a compact K/V
+    buffer holding only the kv blocks they read.
+
+    Local query block i (rows [i * q_block, (i + 1) * q_block) of q) is global query block
+    q_blocks[i]; buffer slot s (rows [s * kv_block, (s + 1) * kv_block) of k and v) holds
+    global kv block kv_blocks[s]; the layout's col_indices name slots. Causal and window
+    masks, document ids, the ragged end of the sequence and dropout's bits all see global
+    positions, so each output row is the row the whole-sequence call computes. Neither
+    tensor needs to be sorted.
+
+    Example: S = 300, q_block = kv_block = 64 (global blocks 0..4, block 4 holds 44
+    tokens). A rank computing global query blocks 0 and 4 (head-tail) under a causal
+    layout reads kv blocks 0..4; its buffer may hold them in any order, say 4, 0, 1, 2, 3:
+
+        >>> positions = BlockPositions(torch.tensor([0, 4]), torch.tensor([4, 0, 1, 2, 3]), 300)
+
+    q holds 64 + 44 = 108 rows (its last local block is the ragged global one), k and v
+    5 * 64 = 320 rows (slot 0's rows past global position 299 are padding: never read into
+    results), and the local layout (seq_len_q=108, seq_len_kv=320) has rows [1] (slot 1 =
+    block 0) and [0, 1, 2, 3, 4].
+    """
+
+    q_blocks: torch.Tensor  # int [layout.num_q_blocks]: global query block of each local one
+    kv_blocks: torch.Tensor  # int [layout.num_kv_blocks]: global kv block in each buffer slot
+    seq_len: int  # the global sequence length (self-attention: queries and keys)
 
 
 def _tick_step(length: int) -> int:

@@ -1,17 +1,18 @@
 """The block-sparse op as a torch.library custom op: torch.compile traces through it, and
 autograd (torch.func's transforms included) reaches the chosen backend's backward.
 
-The layout travels as its CSR and CSC tensors plus its sizes; the backend by name, resolved
-through the registry inside the op. This is the one place where the tensors the kernels
-read are made kernel-ready: unit stride along D for q, k, v, out and dout (other strides
-are honoured), contiguous layout and document tensors.
+The layout travels as its CSR and CSC tensors plus its sizes, block positions as their two
+tensors plus the global length; the backend by name, resolved through the registry inside
+the op. This is the one place where the tensors the kernels read are made kernel-ready:
+unit stride along D for q, k, v, out and dout (other strides are honoured), contiguous
+layout and document tensors, int32 contiguous block positions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops import registry
 
 
@@ -19,10 +20,14 @@ def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def _options(causal, window_left, window_right, softmax_scale, document_ids, dropout_p, seed):
+def _options(causal, window_left, window_right, softmax_scale, document_ids, q_block_positions,
+             kv_block_positions, position_seq_len, dropout_p, seed):  # fmt: skip
+    positions = None if q_block_positions is None else BlockPositions(
+        q_block_positions, kv_block_positions, position_seq_len
+    )  # fmt: skip
     return dict(
         causal=causal, window_size=(window_left, window_right), softmax_scale=softmax_scale,
-        document_ids=document_ids, dropout_p=dropout_p, dropout_seed=seed,
+        document_ids=document_ids, dropout_p=dropout_p, dropout_seed=seed, positions=positions,
     )  # fmt: skip
 
 
@@ -36,6 +41,9 @@ def _forward(
     t_row_offsets: torch.Tensor,
     t_col_indices: torch.Tensor,
     document_ids: torch.Tensor | None,
+    q_block_positions: torch.Tensor | None,
+    kv_block_positions: torch.Tensor | None,
+    position_seq_len: int,
     sizes: list[int],
     causal: bool,
     window_left: int,
@@ -49,7 +57,8 @@ def _forward(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
     options = _options(causal, window_left, window_right, softmax_scale, document_ids,
-                       dropout_p, dropout_seed)  # fmt: skip
+                       q_block_positions, kv_block_positions, position_seq_len, dropout_p,
+                       dropout_seed)  # fmt: skip
     return registry.get(backend).forward(q, k, v, layout, **options)
 
 
@@ -73,6 +82,9 @@ def _backward(
     t_row_offsets: torch.Tensor,
     t_col_indices: torch.Tensor,
     document_ids: torch.Tensor | None,
+    q_block_positions: torch.Tensor | None,
+    kv_block_positions: torch.Tensor | None,
+    position_seq_len: int,
     sizes: list[int],
     causal: bool,
     window_left: int,
@@ -86,7 +98,8 @@ def _backward(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
     options = _options(causal, window_left, window_right, softmax_scale, document_ids,
-                       dropout_p, dropout_seed)  # fmt: skip
+                       q_block_positions, kv_block_positions, position_seq_len, dropout_p,
+                       dropout_seed)  # fmt: skip
     grad_out = _unit_last_stride(grad_out)
     return registry.get(backend).backward(grad_out, q, k, v, out, lse, layout, **options)
 
@@ -97,30 +110,32 @@ def _(grad_out, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids, sizes,
-     causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
-     backend) = inputs  # fmt: skip
+    (q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
+     q_block_positions, kv_block_positions, position_seq_len, sizes, causal, window_left,
+     window_right, softmax_scale, dropout_p, dropout_seed, backend) = inputs  # fmt: skip
     out, lse = output
     ctx.save_for_backward(
-        q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids
-    )
+        q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
+        q_block_positions, kv_block_positions,
+    )  # fmt: skip
     ctx.options = dict(
-        sizes=sizes, causal=causal, window_left=window_left, window_right=window_right,
-        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        backend=backend,
+        position_seq_len=position_seq_len, sizes=sizes, causal=causal, window_left=window_left,
+        window_right=window_right, softmax_scale=softmax_scale, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, backend=backend,
     )  # fmt: skip
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, grad_out, _grad_lse):
-    (q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices,
-     document_ids) = ctx.saved_tensors  # fmt: skip
+    (q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
+     q_block_positions, kv_block_positions) = ctx.saved_tensors  # fmt: skip
     dq, dk, dv = _backward(
         grad_out, q, k, v, out, lse, row_offsets=row_offsets, col_indices=col_indices,
         t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, document_ids=document_ids,
+        q_block_positions=q_block_positions, kv_block_positions=kv_block_positions,
         **ctx.options,
     )  # fmt: skip
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 16
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -149,36 +164,42 @@ def _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices
 def _refuse_batched_layout(in_dims) -> None:
     if any(dim is not None for dim in in_dims):
         raise ValueError(
-            "vmap over a layout's tensors is not supported: vmap over q, k, v (and document "
-            "ids) with one BlockLayout, or stack the layouts (patterns.stack)"
+            "vmap over a layout's tensors or block positions is not supported: vmap over q, k, "
+            "v (and document ids) with one BlockLayout and one BlockPositions, or stack the "
+            "layouts (patterns.stack)"
         )
 
 
 @_forward.register_vmap
 def _(info, in_dims, q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices,
-      document_ids, sizes, *options):  # fmt: skip
-    """vmap folds its dimension into the batch: one launch, not one per vmapped element."""
-    _refuse_batched_layout(in_dims[3:7])
+      document_ids, q_block_positions, kv_block_positions, position_seq_len, sizes,
+      *options):  # fmt: skip
+    """vmap folds its dimension into the batch: one launch, not one per vmapped element
+    (block positions, the same for every batch element, pass through unchanged)."""
+    _refuse_batched_layout(in_dims[3:7] + in_dims[8:10])
     size = info.batch_size
     q, k, v = (_fold(t, dim, size) for t, dim in zip((q, k, v), in_dims, strict=False))
     if document_ids is not None:
         document_ids = _fold(document_ids, in_dims[7], size)
     layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
-    out, lse = _forward(q, k, v, *layout[:4], document_ids, layout[4], *options)
+    out, lse = _forward(q, k, v, *layout[:4], document_ids, q_block_positions,
+                        kv_block_positions, position_seq_len, layout[4], *options)  # fmt: skip
     return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
 
 
 @_backward.register_vmap
 def _(info, in_dims, grad_out, q, k, v, out, lse, row_offsets, col_indices, t_row_offsets,
-      t_col_indices, document_ids, sizes, *options):  # fmt: skip
-    _refuse_batched_layout(in_dims[6:10])
+      t_col_indices, document_ids, q_block_positions, kv_block_positions, position_seq_len,
+      sizes, *options):  # fmt: skip
+    _refuse_batched_layout(in_dims[6:10] + in_dims[11:13])
     size = info.batch_size
     tensors = [_fold(t, dim, size) for t, dim in zip((grad_out, q, k, v, out, lse), in_dims,
                                                      strict=False)]  # fmt: skip
     if document_ids is not None:
         document_ids = _fold(document_ids, in_dims[10], size)
     layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
-    grads = _backward(*tensors, *layout[:4], document_ids, layout[4], *options)
+    grads = _backward(*tensors, *layout[:4], document_ids, q_block_positions,
+                      kv_block_positions, position_seq_len, layout[4], *options)  # fmt: skip
     return tuple(grad.unflatten(0, (size, -1)) for grad in grads), (0, 0, 0)
 
 
@@ -192,16 +213,28 @@ class _SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-                sizes, causal, window_left, window_right, softmax_scale, dropout_p,
-                dropout_seed, backend):  # fmt: skip
+                q_block_positions, kv_block_positions, position_seq_len, sizes, causal,
+                window_left, window_right, softmax_scale, dropout_p, dropout_seed,
+                backend):  # fmt: skip
         return _forward(
             q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-            sizes, causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
-            backend,
+            q_block_positions, kv_block_positions, position_seq_len, sizes, causal, window_left,
+            window_right, softmax_scale, dropout_p, dropout_seed, backend,
         )  # fmt: skip
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(torch.autograd.function.once_differentiable(_autograd_backward))
+
+
+def _side_tensors(document_ids, positions):
+    """Kernel-ready document ids and block positions: int32 contiguous (or None), and the
+    positions' sequence length (0, never read, without them)."""
+    if document_ids is not None:
+        document_ids = document_ids.to(torch.int32).contiguous()
+    if positions is None:
+        return document_ids, None, None, 0
+    q_blocks, kv_blocks = (t.to(torch.int32).contiguous() for t in positions[:2])
+    return document_ids, q_blocks, kv_blocks, positions.seq_len
 
 
 def sparse_attention(
@@ -217,11 +250,14 @@ def sparse_attention(
     document_ids: torch.Tensor | None,
     dropout_p: float,
     dropout_seed: int,
+    positions: BlockPositions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of validated inputs on a registered backend, differentiable in q, k, v."""
+    """(out, lse) of validated inputs on a registered backend, differentiable in q, k, v;
+    positions place the layout's blocks in a longer sequence (BlockPositions)."""
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    if document_ids is not None:
-        document_ids = document_ids.to(torch.int32).contiguous()
+    document_ids, q_block_positions, kv_block_positions, position_seq_len = _side_tensors(
+        document_ids, positions
+    )
     # Under torch.func's transforms through the Function they accept; else the op itself
     # (torch.compile warns on tracing any autograd.Function).
     functorch = not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
@@ -230,6 +266,42 @@ def sparse_attention(
     # Positional: torch.func's transforms refuse keyword tensors to a Function (torch 2.11).
     return attention(
         q, k, v, tensors["row_offsets"], tensors["col_indices"], tensors["t_row_offsets"],
-        tensors["t_col_indices"], document_ids, tensors["sizes"], causal, window_size[0],
+        tensors["t_col_indices"], document_ids, q_block_positions, kv_block_positions,
+        position_seq_len, tensors["sizes"], causal, window_size[0], window_size[1],
+        softmax_scale, dropout_p, dropout_seed, backend,
+    )  # fmt: skip
+
+
+def sparse_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    backend: str,
+    causal: bool,
+    window_size: tuple[int, int],
+    softmax_scale: float,
+    document_ids: torch.Tensor | None,
+    dropout_p: float,
+    dropout_seed: int,
+    positions: BlockPositions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of sparse_attention's inputs for grad_out, given out and lse. out and
+    lse may be those of a softmax over more keys than this call's (the merge of several
+    calls over disjoint key sets): the gradients are then those of this call's keys, as in
+    FlashAttention's backward, and dq adds up over the calls."""
+    q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
+    document_ids, q_block_positions, kv_block_positions, position_seq_len = _side_tensors(
+        document_ids, positions
+    )
+    tensors = layout.op_arguments()
+    return _backward(
+        grad_out, q, k, v, out, lse, tensors["row_offsets"], tensors["col_indices"],
+        tensors["t_row_offsets"], tensors["t_col_indices"], document_ids, q_block_positions,
+        kv_block_positions, position_seq_len, tensors["sizes"], causal, window_size[0],
         window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
     )  # fmt: skip

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops import registry
 from flash_msa.ops.custom_op import sparse_attention
 from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
@@ -90,6 +90,76 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
         )
 
 
+def _check_positions(positions, layout: BlockLayout, q: torch.Tensor) -> None:
+    """Block positions of the layout's local query blocks and K/V buffer slots in a sequence
+    of positions.seq_len tokens; the rows of every local query block must exist there."""
+    if not isinstance(positions, BlockPositions):
+        raise TypeError(
+            "positions must be a flash_msa.BlockPositions(q_blocks, kv_blocks, seq_len), got "
+            f"{type(positions).__name__}"
+        )
+    seq_len = positions.seq_len
+    if not _is_int(seq_len) or seq_len < 1:
+        raise ValueError(
+            f"positions.seq_len must be a positive int (the global sequence length), got "
+            f"{seq_len!r}"
+        )
+    for name, blocks in (("q_blocks", positions.q_blocks), ("kv_blocks", positions.kv_blocks)):
+        if not isinstance(blocks, torch.Tensor):
+            raise TypeError(f"positions.{name} must be a torch.Tensor, got {type(blocks).__name__}")
+        if blocks.is_floating_point() or blocks.is_complex() or blocks.dtype == torch.bool:
+            raise TypeError(
+                f"positions.{name} must hold integer block indices, got {blocks.dtype}; convert "
+                "with .int()"
+            )
+        if blocks.dim() != 1:
+            raise ValueError(f"positions.{name} must be 1-D, got shape {list(blocks.shape)}")
+        if blocks.device != q.device:
+            raise ValueError(
+                f"positions.{name} is on {blocks.device} but q on {q.device}; move it there"
+            )
+    q_block, kv_block = layout.q_block, layout.kv_block
+    if positions.q_blocks.numel() != layout.num_q_blocks:
+        raise ValueError(
+            f"positions.q_blocks must name the global block of each of the layout's "
+            f"{layout.num_q_blocks} query blocks (S_q={layout.seq_len_q} in blocks of {q_block}), "
+            f"got {positions.q_blocks.numel()} entries"
+        )
+    slots = positions.kv_blocks.numel()
+    if layout.seq_len_kv != slots * kv_block:
+        raise ValueError(
+            f"k, v must be a buffer of whole kv blocks, one per entry of positions.kv_blocks: "
+            f"{slots} * {kv_block} = {slots * kv_block} rows, got {layout.seq_len_kv} (layout "
+            "and k, v); pad a ragged last block (rows past seq_len are never read)"
+        )
+    if torch.compiler.is_compiling():
+        return  # the values live on the device: checked by eager calls, not traced ones
+    q_blocks, kv_blocks = positions.q_blocks.long(), positions.kv_blocks.long()
+    local_rows = layout.seq_len_q - torch.arange(layout.num_q_blocks, device=q.device) * q_block
+    local_rows = local_rows.clamp(max=q_block)  # [num_q_blocks]: rows of q in each block
+    ends = q_blocks * q_block + local_rows  # [num_q_blocks]: past each block's last position
+    q_low, q_high, kv_low, kv_high, end = torch.stack(
+        [q_blocks.min(), q_blocks.max(), kv_blocks.min(), kv_blocks.max(), ends.max()]
+    ).tolist()  # one read from the device
+    for name, low, high, block in (
+        ("q_blocks", q_low, q_high, q_block), ("kv_blocks", kv_low, kv_high, kv_block)
+    ):  # fmt: skip
+        count = math.ceil(seq_len / block)
+        if low < 0 or high >= count:
+            raise ValueError(
+                f"positions.{name} must lie in [0, {count}) (the {block}-token blocks of "
+                f"seq_len={seq_len}), got values from {low} to {high}"
+            )
+    if end > seq_len:
+        local = int((ends > seq_len).nonzero()[0, 0])
+        raise ValueError(
+            f"local query block {local} (global block {int(q_blocks[local])}) holds "
+            f"{int(local_rows[local])} rows of q, reaching global position "
+            f"{int(ends[local]) - 1} past seq_len={seq_len}: only the last local query block "
+            "may be the ragged global last block (q cut at seq_len)"
+        )
+
+
 def check_softmax_scale(name: str, scale) -> None:
     """A softmax scale is None (1 / sqrt(D)) or a positive float up to MAX_SOFTMAX_SCALE."""
     real = isinstance(scale, (int, float)) and not isinstance(scale, bool)
@@ -128,9 +198,22 @@ def check_options(
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
 
 
+def _check_documents(document_ids, q, k, positions) -> None:
+    """document_ids int [B, S] over the sequence: self-attention, or the global one of
+    positions."""
+    if positions is not None:
+        check_document_ids(document_ids, q.shape[0], positions.seq_len, q.device)
+        return
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"document_ids needs self-attention lengths, got S_q={q.shape[1]} and S_kv={k.shape[1]}"
+        )
+    check_document_ids(document_ids, q.shape[0], q.shape[1], q.device)
+
+
 def _attention(
     q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
-    document_ids,
+    document_ids, positions,
 ):  # fmt: skip
     """Dispatch of validated inputs through the registry: (out, lse)."""
     call = registry.AttentionCall(
@@ -138,19 +221,19 @@ def _attention(
         kv_block=layout.kv_block, dropout=dropout_p > 0, documents=document_ids is not None,
         deterministic=deterministic, element_masks=causal or max(window_size) >= 0,
         seq_len_q=q.shape[1], seq_len_kv=k.shape[1], batch=q.shape[0], heads_q=q.shape[2],
-        heads_kv=k.shape[2], layout_heads=layout.layout_heads,
+        heads_kv=k.shape[2], layout_heads=layout.layout_heads, positions=positions is not None,
     )  # fmt: skip
     chosen = registry.select(call, backend)
     # A fresh Philox seed per call from PyTorch's default generator (torch.manual_seed).
     seed = int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # A window as long as the sequences is unbounded: kernels get ints that fit int64.
-    longest = max(layout.seq_len_q, layout.seq_len_kv)
+    longest = max(layout.seq_len_q, layout.seq_len_kv, positions.seq_len if positions else 0)
     window_size = tuple(min(side, longest) for side in window_size)
     return sparse_attention(
         q, k, v, layout, backend=chosen.name, causal=causal, window_size=window_size,
         softmax_scale=scale, document_ids=document_ids, dropout_p=float(dropout_p),
-        dropout_seed=seed,
+        dropout_seed=seed, positions=positions,
     )  # fmt: skip
 
 
@@ -168,6 +251,7 @@ def block_sparse_attn_func(
     backend: str = "auto",
     deterministic: bool = False,
     document_ids: torch.Tensor | None = None,
+    positions: BlockPositions | None = None,
 ):
     """Attention over the blocks `layout` marks active.
 
@@ -188,6 +272,10 @@ def block_sparse_attn_func(
         deterministic: refuse backends whose backward is not bitwise reproducible.
         document_ids: int [B, S] (non-decreasing along S, S_q == S_kv): keep pairs of one
             document.
+        positions: a BlockPositions placing the layout's blocks in a longer sequence (context
+            parallelism): q holds local query blocks, k and v a buffer of whole kv blocks
+            (slots) the layout's columns name; masks, document_ids [B, positions.seq_len] and
+            dropout see global positions, so each row equals the whole-sequence call's.
 
     Returns:
         out [B, S_q, H_q, D] (zeros where a query sees nothing) and, with return_lse,
@@ -200,16 +288,13 @@ def block_sparse_attn_func(
     _check_tensors(q, k, v)
     _check_layout(layout, q, k)
     check_options(causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
+    if positions is not None:
+        _check_positions(positions, layout, q)
     if document_ids is not None:
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(
-                f"document_ids needs self-attention lengths, got S_q={q.shape[1]} and "
-                f"S_kv={k.shape[1]}"
-            )
-        check_document_ids(document_ids, q.shape[0], q.shape[1], q.device)
+        _check_documents(document_ids, q, k, positions)
     out, lse = _attention(
         q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
-        document_ids,
+        document_ids, positions,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -229,6 +314,7 @@ def block_sparse_attn_varlen_func(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
+    positions: BlockPositions | None = None,
 ):
     """Attention over documents packed back to back, without padding.
 
@@ -242,6 +328,8 @@ def block_sparse_attn_varlen_func(
             cu_seqlens=cu_seqlens, or pattern & patterns.documents(cu_seqlens)).
         causal, window_size, softmax_scale, dropout_p, return_lse, backend, deterministic:
             as in block_sparse_attn_func.
+        positions: as in block_sparse_attn_func: q holds local query blocks of the packed
+            tokens, k and v a buffer of kv blocks; cu_seqlens then ends at positions.seq_len.
 
     Returns:
         out [T, H_q, D] and, with return_lse, lse fp32 [H_q, T].
@@ -253,16 +341,22 @@ def block_sparse_attn_varlen_func(
                 f"shape {list(tensor.shape)}; padded batches go to block_sparse_attn_func"
             )
     _check_tensors(*(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
-    if q.shape[0] != k.shape[0]:
+    if positions is None and q.shape[0] != k.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k, v have {k.shape[0]}; pack them alike")
     if not _is_int(max_seqlen) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
-    check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], max_seqlen=max_seqlen, device=q.device)
+    if positions is None:
+        check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], max_seqlen=max_seqlen,
+                         device=q.device)  # fmt: skip
     q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     _check_layout(layout, q, k)
     check_options(causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
+    if positions is not None:  # the documents pack the global sequence
+        _check_positions(positions, layout, q)
+        check_cu_seqlens(cu_seqlens, total_tokens=positions.seq_len, max_seqlen=max_seqlen,
+                         device=q.device)  # fmt: skip
     out, lse = _attention(
         q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
-        document_ids_of(cu_seqlens)[None],
+        document_ids_of(cu_seqlens)[None], positions,
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]

@@ -41,6 +41,7 @@ class AttentionCall:
     heads_q: int
     heads_kv: int
     layout_heads: int
+    positions: bool = False  # BlockPositions: blocks of a longer sequence, masked globally
 
 
 class Refusal(NamedTuple):
@@ -56,13 +57,14 @@ class Backend:
     """One implementation of the block-sparse op.
 
     forward(q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, dropout_p,
-    dropout_seed) -> (out, lse) and backward(grad_out, q, k, v, out, lse, layout, *, the same
-    options) -> (dq, dk, dv) take validated, kernel-ready tensors (custom_op.py).
+    dropout_seed, positions) -> (out, lse) and backward(grad_out, q, k, v, out, lse, layout, *,
+    the same options) -> (dq, dk, dv) take validated, kernel-ready tensors (custom_op.py);
+    positions is a BlockPositions of int32 tensors or None. A backend that has no block
+    positions refuses calls with them in `check`.
     `speed` ranks the backends "auto" chooses among on a device type (higher is faster;
     a device type it lacks is reachable by name only, e.g. Triton's CPU interpreter, which
     is for tests). `check` adds what the fields cannot say (None: no objection).
     """
-
 
     name: str
     forward: Callable

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa.layout import BLOCK_SIZES, BlockLayout, BlockPositions
 from flash_msa.ops.registry import Backend
 from flash_msa.reference import visible
 
@@ -31,15 +31,25 @@ def layout_slices(layout: BlockLayout, heads_q: int):
         yield index, batches, heads
 
 
+def _global_positions(index: torch.Tensor, block: int, blocks: torch.Tensor | None):
+    """Positions in the sequence of tensor rows `index`, in blocks of `block` rows: blocks[i]
+    is the global block of local block i (a BlockPositions tensor), or None: rows are
+    positions."""
+    if blocks is None:
+        return index
+    return blocks.long()[index // block] * block + index % block
+
+
 def _row_attention(
     q, k, v, layout, index, rows, width, *, causal, window_size, scale, documents, dropout_p,
-    generator,
+    generator, positions,
 ):  # fmt: skip
     """Attention of query blocks `rows` (int64 [R]) of layout `index`, each padded to `width`
     kv blocks.
 
     q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head);
-    documents: int [b, S] document ids (keys of another document are not seen) or None.
+    documents: int [b, S] document ids (keys of another document are not seen) or None;
+    positions: the BlockPositions of q's blocks and k's slots, or None.
     Returns out [b, R * q_block, h, D] and lse [b, h, R * q_block] (padded tail included).
     """
     offsets = layout.row_offsets[index].long()
@@ -50,16 +60,27 @@ def _row_attention(
     padded_cols = layout.col_indices if layout.nnz else layout.col_indices.new_zeros(1)
     cols = torch.where(active, padded_cols[entry].long(), 0)  # [R, m]
 
+    # Rows of q and k, v (index) and the sequence positions masks see (pos): the same
+    # without positions; with them, local query blocks and buffer slots map to global blocks.
+    q_blocks = kv_blocks = None
+    key_end = layout.seq_len_kv  # keys from here on are masked
+    if positions is not None:
+        q_blocks, kv_blocks, key_end = positions.q_blocks, positions.kv_blocks, positions.seq_len
     within_kv = torch.arange(layout.kv_block, device=q.device)
-    k_pos = (cols[:, :, None] * layout.kv_block + within_kv).flatten(1)  # [R, m * kv_block]
-    k_ok = active.repeat_interleave(layout.kv_block, 1) & (k_pos < layout.seq_len_kv)
-    k_pos = k_pos.clamp(max=layout.seq_len_kv - 1)
-    q_pos = rows[:, None] * layout.q_block + torch.arange(layout.q_block, device=q.device)
-    q_pos = q_pos.clamp(max=layout.seq_len_q - 1)  # [R, q_block]; padded rows are cut later
+    k_index = (cols[:, :, None] * layout.kv_block + within_kv).flatten(1)  # [R, m * kv_block]
+    k_pos = _global_positions(k_index, layout.kv_block, kv_blocks)  # [R, m * kv_block]
+    k_ok = active.repeat_interleave(layout.kv_block, 1) & (k_pos < key_end)
+    k_index, k_pos = k_index.clamp(max=layout.seq_len_kv - 1), k_pos.clamp(max=key_end - 1)
+    q_index = rows[:, None] * layout.q_block + torch.arange(layout.q_block, device=q.device)
+    q_index = q_index.clamp(max=layout.seq_len_q - 1)  # [R, q_block]; padded rows are cut later
+    q_pos = _global_positions(q_index, layout.q_block, q_blocks)  # [R, q_block]
 
     accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for ground truth
-    q_rows = q[:, q_pos].to(accumulate)  # [b, R, q_block, h, D]
-    k_rows, v_rows = k[:, k_pos].to(accumulate), v[:, k_pos].to(accumulate)  # [b, R, m*kv, h, D]
+    q_rows = q[:, q_index].to(accumulate)  # [b, R, q_block, h, D]
+    k_rows = k[:, k_index].to(accumulate)  # [b, R, m * kv_block, h, D]
+    v_rows = v[:, k_index].to(accumulate)  # [b, R, m * kv_block, h, D]
+    if positions is not None:  # a buffer's padding rows may hold anything, even NaN
+        k_rows, v_rows = (torch.where(k_ok[:, :, None, None], t, 0) for t in (k_rows, v_rows))
     scores = torch.einsum("brihd,brjhd->bhrij", q_rows, k_rows) * scale
     keep = k_ok[:, None, :] & visible(q_pos[:, :, None], k_pos[:, None, :], causal, window_size)
     keep = keep[None]  # [1 or b, R, q_block, m * kv_block]
@@ -88,10 +109,12 @@ def attention_forward(
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    positions: BlockPositions | None = None,
     score_budget: int = SCORE_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] of validated inputs; differentiable
-    by autograd. document_ids int [B, S] keeps attention within documents; score_budget:
+    by autograd. document_ids int [B, S] keeps attention within documents; positions (a
+    BlockPositions) place q's blocks and k's slots in a longer sequence; score_budget:
     score elements computed at a time (whole query blocks, at least one)."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
@@ -112,10 +135,20 @@ def attention_forward(
         per_row = q_part.shape[0] * q_part.shape[2] * layout.q_block * width * layout.kv_block
         pieces = [
             _row_attention(
-                q_part, k_part, v_part, layout, index, part, width, causal=causal,
-                window_size=window_size, scale=softmax_scale,
+                q_part,
+                k_part,
+                v_part,
+                layout,
+                index,
+                part,
+                width,
+                causal=causal,
+                window_size=window_size,
+                scale=softmax_scale,
                 documents=None if document_ids is None else document_ids[batches],
-                dropout_p=dropout_p, generator=generator,
+                dropout_p=dropout_p,
+                generator=generator,
+                positions=positions,
             )  # fmt: skip
             for part in rows.split(max(1, score_budget // per_row))
         ]
@@ -143,13 +176,23 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): the vector-Jacobian product of the recomputed forward (same dropout bits,
     same seed). torch.func rather than autograd: this runs inside the custom op, below
-    autograd's dispatch."""
+    autograd's dispatch.
+
+    out and lse may be those of a softmax over more keys than this call's (a merge of calls
+    over disjoint key sets, out = sum_i exp(lse_i - lse) out_i): the cotangents of this
+    call's (out_i, lse_i) are then weight * grad_out and weight * <grad_out, out_i - out>,
+    weight = exp(lse_i - lse), as the kernels' backward gets from the merged lse and delta.
+    For this call's own out and lse the weight is 1 and the lse term 0."""
 
     def attention(q, k, v):
-        return attention_forward(q, k, v, layout, **options)[0]
+        return attention_forward(q, k, v, layout, **options)
 
-    _, pullback = torch.func.vjp(attention, q, k, v)
-    return pullback(grad_out)
+    (part_out, part_lse), pullback = torch.func.vjp(attention, q, k, v)
+    weight = torch.where(torch.isfinite(lse), torch.exp(part_lse - lse), 0.0)  # [B, H, S]
+    weight_rows = weight.transpose(1, 2)[..., None].to(grad_out.dtype)  # [B, S, H, 1]
+    wide = torch.promote_types(grad_out.dtype, torch.float32)
+    spread = (grad_out.to(wide) * (part_out.to(wide) - out.to(wide))).sum(-1).transpose(1, 2)
+    return pullback((grad_out * weight_rows, (weight * spread).to(part_lse.dtype)))
 
 
 BACKEND = Backend(

@@ -30,6 +30,8 @@ def _forward(
 def _check(call: AttentionCall) -> Refusal | None:
     if _env.capability(call.device) != (9, 0):
         return Refusal("gluon runs on sm_90 (H100, H200) only")
+    if call.positions:
+        return Refusal("gluon has no block positions (positions=): its blocks are the tensors' own")
     if call.layout_heads not in (1, call.heads_kv, call.heads_q):
         return Refusal(f"gluon takes layout_heads 1, H_kv or H_q, not {call.layout_heads}")
     if call.batch * padded_length(max(call.seq_len_q, call.seq_len_kv)) >= 2**31:

@@ -8,7 +8,8 @@
    them once.
 
 Every output element is written by exactly one program, so results are bitwise
-deterministic and autotuning reruns are harmless.
+deterministic and autotuning reruns are harmless. With block positions both walk local rows
+and buffer slots while masks and dropout see the sequence's positions, as in the forward.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from flash_msa import _env
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops.triton import configs
 from flash_msa.ops.triton.common import (
     AUTOTUNE_KEY,
@@ -30,6 +31,7 @@ from flash_msa.ops.triton.common import (
     documents_of,
     dropout_scale,
     element_offsets,
+    global_positions,
     kv_step,
     layout_arguments,
     load_query_tile,
@@ -39,6 +41,8 @@ from flash_msa.ops.triton.common import (
     mask_scores,
     packed_rows,
     packing,
+    padding_rows,
+    position_arguments,
     query_program,
     resolve_tma,
     row_steps,
@@ -53,39 +57,46 @@ from flash_msa.ops.triton.common import (
 @triton.jit
 def _dq_kernel(
     q, k, v, out, grad_out, lse, delta, grad_q, row_offsets, col_indices, tile_order, documents,
+    q_block_positions, kv_block_positions,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h, stride_out_b, stride_out_s, stride_out_h,
     stride_grad_out_b, stride_grad_out_s, stride_grad_out_h,
     stride_grad_q_b, stride_grad_q_s, stride_grad_q_h, stride_lse_b, stride_lse_h,
     stride_documents_b, stride_layout,
-    dropout_p, dropout_seed, seq_len_q, seq_len_kv, group, layout_batch_stride,
-    layout_head_divisor, qk_scale, softmax_scale, window_left, window_right,
+    dropout_p, dropout_seed, seq_len_q, seq_len_kv, position_seq_len, group,
+    layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B), tiles in tile_order; lse and
-    delta are fp32 [B, H_q, S_q]."""
-    batch, first_head, kv_head, query_first, positions, heads, row_valid = query_program(
+    delta are fp32 [B, H_q, S_q]. HAS_POSITIONS: as in the forward."""
+    batch, first_head, kv_head, first_row, rows, heads, row_valid = query_program(
         tile_order, seq_len_q, group, ROWS, PACK
-    )  # positions, heads, row_valid: [BLOCK_M]
+    )  # rows, heads, row_valid: [BLOCK_M]
+    query_first, query_positions = global_positions(first_row, rows, Q_BLOCK, q_block_positions,
+                                                    HAS_POSITIONS)  # fmt: skip  # [BLOCK_M]
     query_last = query_first + ROWS - 1
+    query_end = position_seq_len if HAS_POSITIONS else seq_len_q
+    key_end = position_seq_len if HAS_POSITIONS else seq_len_kv
     ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
-    q_tile = load_query_tile(q + batch * stride_q_b, first_head, query_first, positions, heads,
+    q_tile = load_query_tile(q + batch * stride_q_b, first_head, first_row, rows, heads,
                              row_valid, stride_q_s, stride_q_h, seq_len_q, HEAD_DIM, HEAD_DIM_PAD,
                              ROWS, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
-    o_tile = load_query_tile(out + batch * stride_out_b, first_head, query_first, positions,
+    o_tile = load_query_tile(out + batch * stride_out_b, first_head, first_row, rows,
                              heads, row_valid, stride_out_s, stride_out_h, seq_len_q, HEAD_DIM,
                              HEAD_DIM_PAD, ROWS, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
-    do_tile = load_query_tile(grad_out + batch * stride_grad_out_b, first_head, query_first,
-                              positions, heads, row_valid, stride_grad_out_s, stride_grad_out_h,
+    do_tile = load_query_tile(grad_out + batch * stride_grad_out_b, first_head, first_row,
+                              rows, heads, row_valid, stride_grad_out_s, stride_grad_out_h,
                               seq_len_q, HEAD_DIM, HEAD_DIM_PAD, ROWS,
                               ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
     documents += batch * stride_documents_b
-    query_documents = documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
+    query_documents = documents_of(documents, query_positions, query_end,
+                                   HAS_DOCUMENTS)[:, None]  # fmt: skip
 
-    lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
+    lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + rows  # [BLOCK_M]
     row_delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(delta + lse_offsets, row_delta, mask=row_valid)
     row_lse = log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]
@@ -97,29 +108,29 @@ def _dq_kernel(
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
     STEPS_PER_BLOCK: tl.constexpr = KV_BLOCK // BLOCK_N
     step_start, step_end = row_steps(
-        row_offsets, layout, stride_layout, query_first // Q_BLOCK, STEPS_PER_BLOCK
+        row_offsets, layout, stride_layout, first_row // Q_BLOCK, STEPS_PER_BLOCK
     )
 
     dq = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
         k_tile, v_tile, key_positions, scores = kv_step(
-            q_tile, k_source, v_source, col_indices, step, kv_head, positions, query_first,
-            query_last, query_documents, documents, stride_k_s, stride_k_h, stride_v_s,
-            stride_v_h, seq_len_kv, qk_scale, window_left, window_right, STEPS_PER_BLOCK,
-            KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS,
-            DOT_PRECISION, TMA,
+            q_tile, k_source, v_source, col_indices, kv_block_positions, step, kv_head,
+            query_positions, query_first, query_last, query_documents, documents, stride_k_s,
+            stride_k_h, stride_v_s, stride_v_h, key_end, qk_scale, window_left, window_right,
+            STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT,
+            HAS_DOCUMENTS, HAS_POSITIONS, DOT_PRECISION, TMA,
         )  # fmt: skip  # scores [BLOCK_M, BLOCK_N]
         probs = tl.math.exp2(scores - row_lse[:, None])  # [BLOCK_M, BLOCK_N]
         grad_probs = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:  # dP of the kept, rescaled probabilities; delta already has them
             grad_probs *= dropout_scale(
-                dropout_seed, batch, heads[:, None], positions[:, None], key_positions[None, :],
-                dropout_p,
+                dropout_seed, batch, heads[:, None], query_positions[:, None],
+                key_positions[None, :], dropout_p,
             )  # fmt: skip
         grad_scores = probs * (grad_probs - row_delta[:, None])  # [BLOCK_M, BLOCK_N]
         dq = tl.dot(grad_scores.to(k_tile.dtype), k_tile, dq, input_precision=DOT_PRECISION)
 
-    dq_offsets = element_offsets(positions, heads, stride_grad_q_s, stride_grad_q_h)  # [BLOCK_M]
+    dq_offsets = element_offsets(rows, heads, stride_grad_q_s, stride_grad_q_h)  # [BLOCK_M]
     dq = dq * softmax_scale  # [BLOCK_M, D_PAD]
     store_rows(grad_q + batch * stride_grad_q_b, dq_offsets, row_valid, dq, HEAD_DIM, HEAD_DIM_PAD)
 
@@ -127,36 +138,45 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_kernel(
     q, k, v, grad_out, lse, delta, grad_k, grad_v, row_offsets, row_indices, documents,
+    q_block_positions, kv_block_positions,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h, stride_grad_out_b, stride_grad_out_s, stride_grad_out_h,
     stride_grad_k_b, stride_grad_k_s, stride_grad_k_h,
     stride_grad_v_b, stride_grad_v_s, stride_grad_v_h, stride_lse_b, stride_lse_h,
     stride_documents_b, stride_layout,
-    dropout_p, dropout_seed, seq_len_q, seq_len_kv, group, layout_batch_stride,
-    layout_head_divisor, qk_scale, softmax_scale, window_left, window_right,
+    dropout_p, dropout_seed, seq_len_q, seq_len_kv, position_seq_len, group,
+    layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B), in kv order: under a causal layout the first kv
     blocks are used by the most query blocks, so the heavy tiles already start first.
     row_offsets / row_indices: the transposed layout (rows = kv blocks, entries = q
-    blocks). Query tiles are ROWS positions x PACK heads of the group, as in the forward."""
+    blocks). Query tiles are ROWS positions x PACK heads of the group, as in the forward.
+    HAS_POSITIONS: the programs walk buffer slots (kv blocks of the layout) and local query
+    blocks, whose positions come from kv_block_positions and q_block_positions; a slot's
+    padding rows (past the sequence end) get dK = dV = 0."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
-    key_first = tile * BLOCK_N
+    key_row_first = tile * BLOCK_N
 
-    key_positions = key_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    key_valid = key_positions < seq_len_kv  # [BLOCK_N]
+    key_rows = key_row_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    key_first, key_positions = global_positions(key_row_first, key_rows, KV_BLOCK,
+                                                kv_block_positions, HAS_POSITIONS)  # fmt: skip
+    query_end = position_seq_len if HAS_POSITIONS else seq_len_q
+    key_end = position_seq_len if HAS_POSITIONS else seq_len_kv
+    key_valid = key_positions < key_end  # [BLOCK_N] rows that hold keys
     k_source = tile_source(k + batch * stride_k_b, kv_head, stride_k_s, stride_k_h, seq_len_kv,
                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    k_tile = load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_k_s,
+    k_tile = load_tile(k_source, key_row_first, key_rows, kv_head, key_valid, stride_k_s,
                        stride_k_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
     v_source = tile_source(v + batch * stride_v_b, kv_head, stride_v_s, stride_v_h, seq_len_kv,
                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    v_tile = load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_v_s,
+    v_tile = load_tile(v_source, key_row_first, key_rows, kv_head, key_valid, stride_v_s,
                        stride_v_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
     documents += batch * stride_documents_b
     ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
@@ -170,7 +190,7 @@ def _dkdv_kernel(
         first_head = kv_head * group + chunk * PACK
         layout = batch * layout_batch_stride + first_head // layout_head_divisor
         step_start, step_end = row_steps(
-            row_offsets, layout, stride_layout, key_first // KV_BLOCK, STEPS_PER_BLOCK
+            row_offsets, layout, stride_layout, key_row_first // KV_BLOCK, STEPS_PER_BLOCK
         )
         q_source = tile_source(q + batch * stride_q_b, first_head, stride_q_s, stride_q_h,
                                seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
@@ -179,25 +199,28 @@ def _dkdv_kernel(
             stride_grad_out_h, seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA,
         )  # fmt: skip
         for step in range(step_start, step_end):
-            query_first = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
-            positions, heads = packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
-            row_valid = positions < seq_len_q  # [BLOCK_M]
-            q_tile = load_tile(q_source, query_first, positions, heads, row_valid, stride_q_s,
+            first_row = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
+            rows, heads = packed_rows(first_row, first_head, ROWS, PACK)  # [BLOCK_M] x2
+            row_valid = rows < seq_len_q  # [BLOCK_M]
+            query_first, query_positions = global_positions(
+                first_row, rows, Q_BLOCK, q_block_positions, HAS_POSITIONS
+            )  # [BLOCK_M]
+            q_tile = load_tile(q_source, first_row, rows, heads, row_valid, stride_q_s,
                                stride_q_h, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-            do_tile = load_tile(do_source, query_first, positions, heads, row_valid,
+            do_tile = load_tile(do_source, first_row, rows, heads, row_valid,
                                 stride_grad_out_s, stride_grad_out_h, HEAD_DIM, HEAD_DIM_PAD,
                                 ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
-            lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + positions
+            lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + rows
             row_lse = log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
             row_delta = tl.load(delta + lse_offsets, mask=row_valid, other=0.0)  # [BLOCK_M]
 
             # Transposed scores, so that dK and dV accumulate as [BLOCK_N, D] without transposes.
             scores = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
             scores *= qk_scale  # [BLOCK_N, BLOCK_M], log2 units
-            query_documents = documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)
+            query_documents = documents_of(documents, query_positions, query_end, HAS_DOCUMENTS)
             scores = mask_scores(
-                scores, positions[None, :], key_positions[:, None], query_first,
-                query_first + ROWS - 1, key_first, BLOCK_N, seq_len_kv, window_left,
+                scores, query_positions[None, :], key_positions[:, None], query_first,
+                query_first + ROWS - 1, key_first, BLOCK_N, key_end, window_left,
                 window_right, HAS_LEFT, HAS_RIGHT, documents, query_documents[None, :],
                 HAS_DOCUMENTS,
             )  # fmt: skip  # [BLOCK_N, BLOCK_M]
@@ -205,7 +228,7 @@ def _dkdv_kernel(
             grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
             if HAS_DROPOUT:  # dV from the kept, rescaled probabilities; dP likewise
                 scale = dropout_scale(
-                    dropout_seed, batch, heads[None, :], positions[None, :],
+                    dropout_seed, batch, heads[None, :], query_positions[None, :],
                     key_positions[:, None], dropout_p,
                 )  # fmt: skip  # [BLOCK_N, BLOCK_M]
                 dv = tl.dot((probs * scale).to(do_tile.dtype), do_tile, dv,
@@ -217,10 +240,11 @@ def _dkdv_kernel(
             dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
 
     dk = dk * softmax_scale  # [BLOCK_N, D_PAD]
-    dk_offsets = element_offsets(key_positions, kv_head, stride_grad_k_s, stride_grad_k_h)
-    store_rows(grad_k + batch * stride_grad_k_b, dk_offsets, key_valid, dk, HEAD_DIM, HEAD_DIM_PAD)
-    dv_offsets = element_offsets(key_positions, kv_head, stride_grad_v_s, stride_grad_v_h)
-    store_rows(grad_v + batch * stride_grad_v_b, dv_offsets, key_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
+    row_valid = key_rows < seq_len_kv  # [BLOCK_N]; with positions padding rows too (zeros)
+    dk_offsets = element_offsets(key_rows, kv_head, stride_grad_k_s, stride_grad_k_h)
+    store_rows(grad_k + batch * stride_grad_k_b, dk_offsets, row_valid, dk, HEAD_DIM, HEAD_DIM_PAD)
+    dv_offsets = element_offsets(key_rows, kv_head, stride_grad_v_s, stride_grad_v_h)
+    store_rows(grad_v + batch * stride_grad_v_b, dv_offsets, row_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @functools.cache
@@ -250,6 +274,7 @@ def attention_backward(
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    positions: BlockPositions | None = None,
     tma: bool | None = None,
     dq_query_rows: int | None = None,
     dkdv_query_rows: int | None = None,
@@ -262,7 +287,7 @@ def attention_backward(
     Args:
         grad_out, q, k, v, out: as in attention_forward, unit stride along D.
         lse: fp32 [B, H_q, S_q] from the forward, contiguous.
-        tma: as in attention_forward.
+        positions, tma: as in attention_forward.
         dq_query_rows, dkdv_query_rows: the most rows of a query tile of each kernel;
             dkdv_kv_rows: key rows of a dK/dV program (None: the configs module's choice).
         dq_config, dkdv_config: run these kernel configs instead of autotuning.
@@ -277,24 +302,27 @@ def attention_backward(
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
+    tma = resolve_tma(tma, q, k, v, out, grad_out,
+                      kv_padding=padding_rows(positions, layout.kv_block))  # fmt: skip
     shared = dict(
         q=q, k=k, v=v, grad_out=grad_out, lse=lse, delta=delta,
         **strides("q", q), **strides("k", k), **strides("v", v),
         **strides("grad_out", grad_out), **strides("lse", lse, "bh"),
         **document_arguments(document_ids, layout.row_offsets),
+        **position_arguments(positions, layout.row_offsets),
         dropout_p=dropout_p, dropout_seed=dropout_seed, seq_len_q=seq_len_q,
         seq_len_kv=seq_len_kv, group=heads_q // heads_kv, **layout_arguments(layout, heads_q),
         qk_scale=softmax_scale * _env.LOG2_E, softmax_scale=softmax_scale,
         **mask_arguments(causal, window_size), HEAD_DIM=head_dim, HEAD_DIM_PAD=padded,
         Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block, HAS_DROPOUT=dropout_p > 0,
-        DOT_PRECISION=_env.dot_precision(q.dtype), TMA=resolve_tma(tma, q, k, v, out, grad_out),
+        DOT_PRECISION=_env.dot_precision(q.dtype), TMA=tma,
     )  # fmt: skip
 
     max_rows = configs.max_query_rows(padded, "dq") if dq_query_rows is None else dq_query_rows
     tile = packing(layout, max_rows, heads_q, heads_kv)
     order = tile_order(layout, tile.rows)
     grid = (order.numel(), heads_q // tile.pack, batch)
-    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), shared["TMA"],
+    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), tma,
                             _env.shared_memory(q.device))  # fmt: skip
     kernel = _dq_kernel if dq_config is not None else _tuned_dq(launch, layout.kv_block)
     with descriptor_scratch(q.device):

@@ -3,6 +3,11 @@ steps, dropout bits) and the launch arguments computed in Python.
 
 Tiles follow FlashAttention's names: a query tile is BLOCK_M = ROWS * PACK rows (ROWS
 positions x PACK query heads of one GQA group), a key tile BLOCK_N rows, both D_PAD wide.
+
+Rows are where a tile sits in memory (loads, stores, descriptors); positions are where it
+sits in the sequence (element masks, documents, dropout bits). They are the same unless the
+call has block positions (HAS_POSITIONS: context parallelism), where a block of rows of q or
+of the K/V buffer is a block of a longer sequence (global_positions).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from flash_msa import _env
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops.triton import configs
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
@@ -25,25 +30,39 @@ LN_2: tl.constexpr = tl.constexpr(_env.LN_2)
 # Constexprs that select a compiled variant: the autotuner keeps one choice per value.
 AUTOTUNE_KEY = [
     "HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT", "HAS_DOCUMENTS",
-    "HAS_DROPOUT", "TMA",
+    "HAS_DROPOUT", "HAS_POSITIONS", "TMA",
 ]  # fmt: skip
 
 
 # ---- tile rows and loads ---------------------------------------------------------------------
 @triton.jit
-def packed_rows(first_position, first_head, ROWS: tl.constexpr, PACK: tl.constexpr):
-    """Positions and query heads of the BLOCK_M = ROWS * PACK rows of a packed tile.
+def packed_rows(first_row, first_head, ROWS: tl.constexpr, PACK: tl.constexpr):
+    """Rows along S and query heads of the BLOCK_M = ROWS * PACK rows of a packed tile.
 
     Heads vary fastest: the PACK heads of one position are adjacent in memory ([S, H, D]).
     """
     rows = tl.arange(0, ROWS * PACK)  # [BLOCK_M]
-    return first_position + rows // PACK, first_head + rows % PACK  # [BLOCK_M], [BLOCK_M]
+    return first_row + rows // PACK, first_head + rows % PACK  # [BLOCK_M], [BLOCK_M]
 
 
 @triton.jit
-def element_offsets(positions, heads, stride_s, stride_h):
-    """int64 element offsets of (position, head) rows: S * H * D may pass 2^31."""
-    return positions.to(tl.int64) * stride_s + heads.to(tl.int64) * stride_h  # [R]
+def global_positions(first_row, rows, BLOCK: tl.constexpr, block_positions,
+                     HAS_POSITIONS: tl.constexpr):  # fmt: skip
+    """Sequence positions of a tile's first row and of its rows (any shape), all in one block
+    of BLOCK rows: with block positions, block b of the tensor is block block_positions[b] of
+    the sequence (BlockPositions.q_blocks for q, kv_blocks for the K/V buffer); without
+    them rows are positions."""
+    if HAS_POSITIONS:
+        block = first_row // BLOCK
+        shift = (tl.load(block_positions + block) - block) * BLOCK
+        return first_row + shift, rows + shift
+    return first_row, rows
+
+
+@triton.jit
+def element_offsets(rows, heads, stride_s, stride_h):
+    """int64 element offsets of (row, head) rows: S * H * D may pass 2^31."""
+    return rows.to(tl.int64) * stride_s + heads.to(tl.int64) * stride_h  # [R]
 
 
 @triton.jit
@@ -82,27 +101,28 @@ def tile_source(
 
 @triton.jit
 def load_tile(
-    source, first_position, positions, heads, row_valid, stride_s, stride_h,
+    source, first_row, rows, heads, row_valid, stride_s, stride_h,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """[R, D_PAD] tile of the rows (positions, heads) from a tile_source; with TMA those are
-    the R positions from first_position of the source's head. Invalid rows read as 0."""
+    """[R, D_PAD] tile of the rows (rows, heads) from a tile_source; with TMA those are the
+    R rows from first_row of the source's head. Invalid rows read as 0 (with TMA: rows past
+    the tensor's end)."""
     if TMA:
-        return source.load([first_position, 0])
+        return source.load([first_row, 0])
     else:
-        offsets = element_offsets(positions, heads, stride_s, stride_h)  # [R]
+        offsets = element_offsets(rows, heads, stride_s, stride_h)  # [R]
         return load_rows(source, offsets, row_valid, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @triton.jit
 def load_query_tile(
-    base, first_head, query_first, positions, heads, row_valid, stride_s, stride_h, seq_len,
+    base, first_head, first_row, rows, heads, row_valid, stride_s, stride_h, seq_len,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, D_PAD] rows of a query-side tensor (q, out, dout) held for a whole program."""
     source = tile_source(base, first_head, stride_s, stride_h, seq_len, HEAD_DIM, ROWS,
                          HEAD_DIM_PAD, TMA)  # fmt: skip
-    return load_tile(source, query_first, positions, heads, row_valid, stride_s, stride_h,
+    return load_tile(source, first_row, rows, heads, row_valid, stride_s, stride_h,
                      HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip
 
 
@@ -110,14 +130,14 @@ def load_query_tile(
 @triton.jit
 def query_program(tile_order, seq_len_q, group, ROWS: tl.constexpr, PACK: tl.constexpr):
     """The query tile of this program of the grid (tiles, H_q // PACK, B): its batch, first
-    query head, kv head, first position, and its rows' positions, heads and validity."""
+    query head, kv head, first row, and its rows, heads and validity."""
     tile = tl.load(tile_order + tl.program_id(0))  # heavy rows first
     first_head = tl.program_id(1) * PACK
     batch = tl.program_id(2).to(tl.int64)
-    query_first = tile * ROWS
-    positions, heads = packed_rows(query_first, first_head, ROWS, PACK)  # [BLOCK_M] x2
-    row_valid = positions < seq_len_q  # [BLOCK_M]
-    return batch, first_head, first_head // group, query_first, positions, heads, row_valid
+    first_row = tile * ROWS
+    rows, heads = packed_rows(first_row, first_head, ROWS, PACK)  # [BLOCK_M] x2
+    row_valid = rows < seq_len_q  # [BLOCK_M]
+    return batch, first_head, first_head // group, first_row, rows, heads, row_valid
 
 
 @triton.jit
@@ -129,36 +149,39 @@ def row_steps(row_offsets, layout, stride_layout, row, STEPS_PER_BLOCK: tl.const
 
 @triton.jit
 def step_first(indices, step, STEPS_PER_BLOCK: tl.constexpr, BLOCK: tl.constexpr, TILE):
-    """First position of a step's sub-tile: block indices[step // STEPS] of BLOCK positions,
-    then TILE positions per step within it."""
+    """First row of a step's sub-tile: block indices[step // STEPS] of BLOCK rows, then TILE
+    rows per step within it."""
     block = tl.load(indices + step // STEPS_PER_BLOCK)
     return block * BLOCK + (step % STEPS_PER_BLOCK) * TILE
 
 
 @triton.jit
 def kv_step(
-    q_tile, k_source, v_source, col_indices, step, kv_head, positions, query_first, query_last,
-    query_documents, documents, stride_ks, stride_kh, stride_vs, stride_vh, seq_len_kv, qk_scale,
-    window_left, window_right,
+    q_tile, k_source, v_source, col_indices, kv_block_positions, step, kv_head,
+    query_positions, query_first, query_last, query_documents, documents, stride_ks, stride_kh,
+    stride_vs, stride_vh, key_end, qk_scale, window_left, window_right,
     STEPS_PER_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One step of a query program along its CSR row: the step's K and V tiles [BLOCK_N, D_PAD],
-    its key positions [BLOCK_N] and the masked scores [BLOCK_M, BLOCK_N] in log2 units."""
-    key_first = step_first(col_indices, step, STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N)
-    key_positions = key_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    key_valid = key_positions < seq_len_kv  # [BLOCK_N]
-    k_tile = load_tile(k_source, key_first, key_positions, kv_head, key_valid, stride_ks,
+    its key positions [BLOCK_N] and the masked scores [BLOCK_M, BLOCK_N] in log2 units.
+    Keys from position key_end on are masked and read as 0 (see padding_rows)."""
+    key_row_first = step_first(col_indices, step, STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N)
+    key_rows = key_row_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    key_first, key_positions = global_positions(key_row_first, key_rows, KV_BLOCK,
+                                                kv_block_positions, HAS_POSITIONS)  # fmt: skip
+    key_valid = key_positions < key_end  # [BLOCK_N]
+    k_tile = load_tile(k_source, key_row_first, key_rows, kv_head, key_valid, stride_ks,
                        stride_kh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
-    v_tile = load_tile(v_source, key_first, key_positions, kv_head, key_valid, stride_vs,
+    v_tile = load_tile(v_source, key_row_first, key_rows, kv_head, key_valid, stride_vs,
                        stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
     scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
     scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     scores = mask_scores(
-        scores, positions[:, None], key_positions[None, :], query_first, query_last, key_first,
-        BLOCK_N, seq_len_kv, window_left, window_right, HAS_LEFT, HAS_RIGHT, documents,
+        scores, query_positions[:, None], key_positions[None, :], query_first, query_last,
+        key_first, BLOCK_N, key_end, window_left, window_right, HAS_LEFT, HAS_RIGHT, documents,
         query_documents, HAS_DOCUMENTS,
     )  # fmt: skip
     return k_tile, v_tile, key_positions, scores
@@ -177,35 +200,35 @@ def documents_of(documents, positions, seq_len, HAS_DOCUMENTS: tl.constexpr):
 @triton.jit
 def mask_scores(
     scores, query_positions, key_positions, query_first, query_last, key_first,
-    KEY_ROWS: tl.constexpr, seq_len_kv, window_left, window_right, HAS_LEFT: tl.constexpr,
+    KEY_ROWS: tl.constexpr, key_end, window_left, window_right, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, documents, query_documents, HAS_DOCUMENTS: tl.constexpr,
 ):  # fmt: skip
-    """Set scores of keys a query must not see to -inf (reference.visible, plus keys past
-    seq_len_kv, plus keys of another document when HAS_DOCUMENTS: `documents` points at
-    this batch row's int32 [S] document ids, query_documents holds the queries'). Whether
+    """Set scores of keys a query must not see to -inf (reference.visible, plus keys from
+    position key_end on, plus keys of another document when HAS_DOCUMENTS: `documents` points
+    at this batch row's int32 [S] document ids, query_documents holds the queries'). Whether
     the tile (queries [query_first, query_last] x KEY_ROWS keys from key_first) needs it at
     all is decided from its bounds by scalar comparisons, so full tiles skip all
     element-mask work. Causal arrives folded into the right window (right = 0).
     Positions broadcast to the scores' shape: [M, 1] x [1, N] in the forward and dQ,
     [1, M] x [N, 1] in dK/dV."""
     key_last = key_first + KEY_ROWS - 1
-    partial = key_last >= seq_len_kv
+    partial = key_last >= key_end
     if HAS_RIGHT:
         partial = partial | (key_last > query_first + window_right)
     if HAS_LEFT:
         partial = partial | (key_first < query_last - window_left)
     if HAS_DOCUMENTS:  # documents are contiguous runs: one spans the tile iff its ends agree
         first = tl.minimum(query_first, key_first)
-        last = tl.minimum(tl.maximum(query_last, key_last), seq_len_kv - 1)
+        last = tl.minimum(tl.maximum(query_last, key_last), key_end - 1)
         partial = partial | (tl.load(documents + first) != tl.load(documents + last))
     if partial:
-        keep = key_positions < seq_len_kv
+        keep = key_positions < key_end
         if HAS_RIGHT:
             keep = keep & (key_positions <= query_positions + window_right)
         if HAS_LEFT:
             keep = keep & (key_positions >= query_positions - window_left)
         if HAS_DOCUMENTS:
-            key_documents = documents_of(documents, key_positions, seq_len_kv, HAS_DOCUMENTS)
+            key_documents = documents_of(documents, key_positions, key_end, HAS_DOCUMENTS)
             keep = keep & (key_documents == query_documents)
         scores = tl.where(keep, scores, float("-inf"))
     return scores
@@ -263,6 +286,26 @@ def mask_arguments(causal: bool, window_size: tuple[int, int]) -> dict:
     )
 
 
+def padding_rows(positions: BlockPositions | None, kv_block: int) -> bool:
+    """Whether a K/V buffer of block positions may hold padding rows: the sequence ends inside
+    a kv block, whose slot is whole. They may hold anything, even NaN, and must read as 0
+    (a NaN value times a zero probability is NaN): pointer loads mask them, TMA would read
+    them."""
+    return positions is not None and positions.seq_len % kv_block != 0
+
+
+def position_arguments(positions: BlockPositions | None, placeholder: torch.Tensor) -> dict:
+    """Pointers, sequence length and flag of the optional block positions (int32 tensors);
+    the placeholder stands in (never read) when there are none."""
+    if positions is None:
+        return dict(q_block_positions=placeholder, kv_block_positions=placeholder,
+                    position_seq_len=0, HAS_POSITIONS=False)  # fmt: skip
+    return dict(
+        q_block_positions=positions.q_blocks, kv_block_positions=positions.kv_blocks,
+        position_seq_len=positions.seq_len, HAS_POSITIONS=True,
+    )  # fmt: skip
+
+
 def document_arguments(document_ids: torch.Tensor | None, placeholder: torch.Tensor) -> dict:
     """Pointer, batch stride and flag of the optional int32 [B, S] document ids; the
     placeholder stands in (never read) when there are none."""
@@ -273,9 +316,7 @@ def document_arguments(document_ids: torch.Tensor | None, placeholder: torch.Ten
     )
 
 
-def packing(
-    layout: BlockLayout, max_rows: int, heads_q: int, heads_kv: int
-) -> configs.RowTile:
+def packing(layout: BlockLayout, max_rows: int, heads_q: int, heads_kv: int) -> configs.RowTile:
     """Query tile shape: heads packed together must share a kv head and a layout row."""
     shared_heads = math.gcd(heads_q // heads_kv, heads_q // layout.layout_heads)
     return configs.row_tile(layout.q_block, max_rows, shared_heads)
@@ -306,14 +347,16 @@ def use_tma(*tensors: torch.Tensor) -> bool:
     )
 
 
-def resolve_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
-    """The launchers' `tma` option: None uses TMA wherever use_tma allows; True asks for it
-    and fails where it cannot work; False keeps pointer loads."""
-    possible = use_tma(*tensors)
+def resolve_tma(tma: bool | None, *tensors: torch.Tensor, kv_padding: bool = False) -> bool:
+    """The launchers' `tma` option: None uses TMA wherever use_tma allows and k, v hold no
+    padding rows (kv_padding, see padding_rows); True asks for it and fails where it cannot
+    work; False keeps pointer loads."""
+    possible = use_tma(*tensors) and not kv_padding
     if tma and not possible:
         raise ValueError(
-            "tma=True needs a Hopper GPU (or the interpreter) and 16-byte aligned, "
-            "non-broadcast strides; pass tma=None to fall back to pointer loads"
+            "tma=True needs a Hopper GPU (or the interpreter), 16-byte aligned, non-broadcast "
+            "strides and no padding rows in k, v (block positions of a sequence that ends "
+            "inside a kv block); pass tma=None to fall back to pointer loads"
         )
     return possible if tma is None else tma
 

@@ -5,7 +5,9 @@ heads of a GQA group that share a layout row, so each K/V tile is loaded once fo
 them) and walks that q block's CSR row: only active blocks cost work. Online softmax in
 fp32 with exp2; element masks (causal, window, ragged kv end, documents) only on partial
 tiles. On Hopper, K/V tiles (and unpacked query tiles) load through 2-D tensor descriptors
-(TMA) built by each program; elsewhere through pointers.
+(TMA) built by each program; elsewhere through pointers. With block positions, q holds
+blocks of a longer sequence and K/V a buffer of its blocks: masks and dropout see the
+sequence's positions.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flash_msa import _env
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops.triton import configs
 from flash_msa.ops.triton.common import (
     AUTOTUNE_KEY,
@@ -28,11 +30,14 @@ from flash_msa.ops.triton.common import (
     documents_of,
     dropout_scale,
     element_offsets,
+    global_positions,
     kv_step,
     layout_arguments,
     load_query_tile,
     mask_arguments,
     packing,
+    padding_rows,
+    position_arguments,
     query_program,
     resolve_tma,
     row_steps,
@@ -45,30 +50,39 @@ from flash_msa.ops.triton.common import (
 
 @triton.jit
 def _forward_kernel(
-    q, k, v, out, lse, row_offsets, col_indices, tile_order, documents,
+    q, k, v, out, lse, row_offsets, col_indices, tile_order, documents, q_block_positions,
+    kv_block_positions,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h, stride_out_b, stride_out_s, stride_out_h,
     stride_lse_b, stride_lse_h, stride_documents_b, stride_layout,
-    dropout_p, dropout_seed, seq_len_q, seq_len_kv, group, layout_batch_stride,
-    layout_head_divisor, qk_scale, window_left, window_right,
+    dropout_p, dropout_seed, seq_len_q, seq_len_kv, position_seq_len, group,
+    layout_batch_stride, layout_head_divisor, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B); tile_order maps program 0..
     to the query tile it runs (heavy rows first). qk_scale = softmax_scale * log2(e).
-    TMA: K/V tiles (and unpacked Q tiles) load through tensor descriptors."""
-    batch, first_head, kv_head, query_first, positions, heads, row_valid = query_program(
+    TMA: K/V tiles (and unpacked Q tiles) load through tensor descriptors. HAS_POSITIONS:
+    q_block_positions, kv_block_positions (int32) place q's blocks and k's slots in a
+    sequence of position_seq_len tokens."""
+    batch, first_head, kv_head, first_row, rows, heads, row_valid = query_program(
         tile_order, seq_len_q, group, ROWS, PACK
-    )  # positions, heads, row_valid: [BLOCK_M]
+    )  # rows, heads, row_valid: [BLOCK_M]
+    query_first, query_positions = global_positions(first_row, rows, Q_BLOCK, q_block_positions,
+                                                    HAS_POSITIONS)  # fmt: skip  # [BLOCK_M]
     query_last = query_first + ROWS - 1
+    query_end = position_seq_len if HAS_POSITIONS else seq_len_q
+    key_end = position_seq_len if HAS_POSITIONS else seq_len_kv
     ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
-    q_tile = load_query_tile(q + batch * stride_q_b, first_head, query_first, positions, heads,
+    q_tile = load_query_tile(q + batch * stride_q_b, first_head, first_row, rows, heads,
                              row_valid, stride_q_s, stride_q_h, seq_len_q, HEAD_DIM, HEAD_DIM_PAD,
                              ROWS, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
     documents += batch * stride_documents_b
-    query_documents = documents_of(documents, positions, seq_len_q, HAS_DOCUMENTS)[:, None]
+    query_documents = documents_of(documents, query_positions, query_end,
+                                   HAS_DOCUMENTS)[:, None]  # fmt: skip
     k_source = tile_source(k + batch * stride_k_b, kv_head, stride_k_s, stride_k_h, seq_len_kv,
                            HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
     v_source = tile_source(v + batch * stride_v_b, kv_head, stride_v_s, stride_v_h, seq_len_kv,
@@ -78,7 +92,7 @@ def _forward_kernel(
     layout = batch * layout_batch_stride + first_head // layout_head_divisor
     STEPS_PER_BLOCK: tl.constexpr = KV_BLOCK // BLOCK_N
     step_start, step_end = row_steps(
-        row_offsets, layout, stride_layout, query_first // Q_BLOCK, STEPS_PER_BLOCK
+        row_offsets, layout, stride_layout, first_row // Q_BLOCK, STEPS_PER_BLOCK
     )
 
     row_max = tl.full([ROWS * PACK], float("-inf"), tl.float32)  # [BLOCK_M], log2 units
@@ -86,11 +100,11 @@ def _forward_kernel(
     acc = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
         k_tile, v_tile, key_positions, scores = kv_step(
-            q_tile, k_source, v_source, col_indices, step, kv_head, positions, query_first,
-            query_last, query_documents, documents, stride_k_s, stride_k_h, stride_v_s,
-            stride_v_h, seq_len_kv, qk_scale, window_left, window_right, STEPS_PER_BLOCK,
-            KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS,
-            DOT_PRECISION, TMA,
+            q_tile, k_source, v_source, col_indices, kv_block_positions, step, kv_head,
+            query_positions, query_first, query_last, query_documents, documents, stride_k_s,
+            stride_k_h, stride_v_s, stride_v_h, key_end, qk_scale, window_left, window_right,
+            STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT,
+            HAS_DOCUMENTS, HAS_POSITIONS, DOT_PRECISION, TMA,
         )  # fmt: skip  # scores [BLOCK_M, BLOCK_N]
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # A row with nothing visible yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
@@ -101,8 +115,8 @@ def _forward_kernel(
         acc = acc * rescale[:, None]  # [BLOCK_M, D_PAD]
         if HAS_DROPOUT:  # the normaliser row_sum keeps every probability
             probs *= dropout_scale(
-                dropout_seed, batch, heads[:, None], positions[:, None], key_positions[None, :],
-                dropout_p,
+                dropout_seed, batch, heads[:, None], query_positions[:, None],
+                key_positions[None, :], dropout_p,
             )  # fmt: skip
         acc = tl.dot(probs.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
         row_max = new_max
@@ -110,10 +124,10 @@ def _forward_kernel(
     empty = row_sum == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
     safe_sum = tl.where(empty, 1.0, row_sum)  # [BLOCK_M]
     acc = acc / safe_sum[:, None]  # [BLOCK_M, D_PAD]
-    out_offsets = element_offsets(positions, heads, stride_out_s, stride_out_h)  # [BLOCK_M]
+    out_offsets = element_offsets(rows, heads, stride_out_s, stride_out_h)  # [BLOCK_M]
     store_rows(out + batch * stride_out_b, out_offsets, row_valid, acc, HEAD_DIM, HEAD_DIM_PAD)
     log_sum = tl.where(empty, float("-inf"), (row_max + tl.math.log2(safe_sum)) * LN_2)
-    lse_offsets = heads.to(tl.int64) * stride_lse_h + positions  # [BLOCK_M]
+    lse_offsets = heads.to(tl.int64) * stride_lse_h + rows  # [BLOCK_M]
     tl.store(lse + batch * stride_lse_b + lse_offsets, log_sum, mask=row_valid)
 
 
@@ -135,6 +149,7 @@ def attention_forward(
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    positions: BlockPositions | None = None,
     tma: bool | None = None,
     query_rows: int | None = None,
     config: triton.Config | None = None,
@@ -146,6 +161,7 @@ def attention_forward(
         layout: the active blocks, its tensors contiguous.
         document_ids: int32 [B, S] (S_q == S_kv): keys of another document are never seen.
         dropout_p, dropout_seed: probabilities dropped by Philox bits under the seed.
+        positions: int32 BlockPositions of q's blocks and the K/V buffer's slots, or None.
         tma: load tiles through tensor descriptors (None: wherever the GPU and the strides
             allow it).
         query_rows: the most rows (positions x packed heads) of a query tile (None:
@@ -164,7 +180,7 @@ def attention_forward(
     tile = packing(layout, max_rows, heads_q, heads_kv)
     order = tile_order(layout, tile.rows)
     grid = (order.numel(), heads_q // tile.pack, batch)
-    tma = resolve_tma(tma, q, k, v)
+    tma = resolve_tma(tma, q, k, v, kv_padding=padding_rows(positions, layout.kv_block))
     launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), tma,
                             _env.shared_memory(q.device))  # fmt: skip
     kernel = _forward_kernel if config is not None else _tuned_forward(launch, layout.kv_block)
@@ -175,6 +191,7 @@ def attention_forward(
             **strides("q", q), **strides("k", k), **strides("v", v), **strides("out", out),
             **strides("lse", lse, "bh"), stride_layout=layout.row_offsets.stride(0),
             **document_arguments(document_ids, layout.row_offsets),
+            **position_arguments(positions, layout.row_offsets),
             dropout_p=dropout_p, dropout_seed=dropout_seed, seq_len_q=seq_len_q,
             seq_len_kv=k.shape[1], group=heads_q // heads_kv, **layout_arguments(layout, heads_q),
             qk_scale=softmax_scale * _env.LOG2_E, **mask_arguments(causal, window_size),

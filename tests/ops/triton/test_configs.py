@@ -29,7 +29,8 @@ TYPES = {name: "*bf16" for name in ("q", "k", "v", "out", "grad_out", "grad_q", 
                                     "grad_v")}
 TYPES.update(lse="*fp32", delta="*fp32", row_offsets="*i32", col_indices="*i32",
              row_indices="*i32", documents="*i32", tile_order="*i32", qk_scale="fp32",
-             softmax_scale="fp32", dropout_p="fp32")
+             softmax_scale="fp32", dropout_p="fp32", q_block_positions="*i32",
+             kv_block_positions="*i32")
 for kernel, features, loads, index, unpruned in json.loads(sys.argv[2]):
     shared_heads = 1 if loads == "tma" else 4  # TMA: unpacked query tiles
     tile = configs.row_tile(Q_BLOCK, configs.max_query_rows(D, kernel), shared_heads)
@@ -44,8 +45,9 @@ for kernel, features, loads, index, unpruned in json.loads(sys.argv[2]):
     config = choices[index or 0]
     constexprs = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
                       HAS_LEFT=True, HAS_RIGHT=True, HAS_DOCUMENTS=features == "features",
-                      HAS_DROPOUT=features == "features", DOT_PRECISION="tf32",
-                      TMA=loads == "tma", ROWS=tile.rows, PACK=tile.pack, **config.kwargs)
+                      HAS_DROPOUT=features == "features", HAS_POSITIONS=False,
+                      DOT_PRECISION="tf32", TMA=loads == "tma", ROWS=tile.rows, PACK=tile.pack,
+                      **config.kwargs)
     if kernel == "dkdv":
         constexprs["BLOCK_N"] = block_n
     report = compile_for_sm90(KERNELS[kernel], constexprs, TYPES, config.num_warps,
