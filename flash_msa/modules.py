@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flash_msa import patterns
+from flash_msa import distributed, patterns
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
 from flash_msa.ops import registry
@@ -31,6 +31,17 @@ def _split_heads(projected: torch.Tensor, heads: list[tuple[int, int]]) -> list[
         part.view(batch, seq_len, count, dim)
         for part, (count, dim) in zip(parts, heads, strict=True)
     ]
+
+
+def _check_cp_plan(cp_group, cp_plan) -> None:
+    """A layer built with cp_group takes shards and their plan; one without, neither."""
+    if cp_group is None and cp_plan is not None:
+        raise ValueError("cp_plan is for layers built with cp_group=...; drop it")
+    if cp_group is not None and cp_plan is None:
+        raise ValueError(
+            "a layer with cp_group takes shards: pass cp_plan=layer.cp_plan_for(whole_seq_len, "
+            "device) and x[:, plan.token_index(rank)]"
+        )
 
 
 class _ProjectedAttention(nn.Module):
@@ -73,6 +84,11 @@ class FlashSparseAttention(_ProjectedAttention):
     e.g. functools.partial(flash_msa.patterns.sliding_window, window=4096). A builder runs
     eagerly on the first call at a length: under torch.compile(fullgraph=True), call the
     layer once before compiling, or pass a BlockLayout.
+
+    With cp_group (a torch.distributed process group: context parallelism), forward(x,
+    cp_plan=plan) takes this rank's shard x [B, S_local, embed_dim] of the plan;
+    cp_plan_for(seq_len, device) builds the plan from the pattern for the group's size
+    (cached), and x[:, plan.token_index(rank)] shards a whole batch.
     """
 
     def __init__(
@@ -87,6 +103,8 @@ class FlashSparseAttention(_ProjectedAttention):
         window_size: tuple[int, int] = (-1, -1),
         bias: bool = False,
         backend: str = "auto",
+        cp_group=None,
+        cp_balance: str = "auto",
         device=None,
         dtype=None,
     ):
@@ -102,7 +120,9 @@ class FlashSparseAttention(_ProjectedAttention):
             registry.get(backend)
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
+        self.cp_group, self.cp_balance = cp_group, cp_balance
         self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
+        self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
 
     def layout_for(self, seq_len: int, device: torch.device) -> BlockLayout:
         if isinstance(self.pattern, BlockLayout):
@@ -112,18 +132,30 @@ class FlashSparseAttention(_ProjectedAttention):
             self._layouts[key] = self.pattern(seq_len, block_size=self.block_size, device=device)
         return self._layouts[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def cp_plan_for(self, seq_len: int, device: torch.device) -> distributed.CpPlan:
+        """The context-parallel plan of the layer's layout at the whole sequence length
+        seq_len, for cp_group's size (cached per length and device)."""
+        if self.cp_group is None:
+            raise ValueError("cp_plan_for needs a layer built with cp_group=...")
+        key = (seq_len, torch.device(device))
+        if key not in self._plans:
+            world_size = torch.distributed.get_world_size(self.cp_group)
+            layout = self.layout_for(seq_len, key[1])
+            self._plans[key] = distributed.cp_plan(layout, world_size, balance=self.cp_balance)
+        return self._plans[key]
+
+    def forward(
+        self, x: torch.Tensor, *, cp_plan: distributed.CpPlan | None = None
+    ) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         batch, seq_len, _ = x.shape
-        out = block_sparse_attn_func(
-            q,
-            k,
-            v,
-            self.layout_for(seq_len, x.device),
-            causal=self.causal,
-            window_size=self.window_size,
-            backend=self.backend,
-        )
+        options = dict(causal=self.causal, window_size=self.window_size, backend=self.backend)
+        _check_cp_plan(self.cp_group, cp_plan)
+        if cp_plan is None:
+            layout = self.layout_for(seq_len, x.device)
+            out = block_sparse_attn_func(q, k, v, layout, **options)
+        else:
+            out = distributed.block_sparse_attn_cp(q, k, v, cp_plan, group=self.cp_group, **options)
         return self.out_proj(out.reshape(batch, seq_len, -1))
 
 
@@ -142,6 +174,11 @@ class MSAAttention(_ProjectedAttention):
     into q, k, v or the layers below.
     forward(x, warmup=True) attends densely (every causal block) while the proxy trains on the
     full causal context.
+
+    With cp_group (context parallelism), forward(x, cp_plan=plan) takes this rank's shard
+    x [B, S_local, embed_dim] (rotary embeddings at the shard's global positions) and runs
+    msa_func_cp; cp_plan_for(seq_len, device) builds the plan (head-tail chunks of the
+    causal layout of the layer's blocks), and kl_loss is the whole sequence's.
     """
 
     def __init__(
@@ -158,6 +195,7 @@ class MSAAttention(_ProjectedAttention):
         kv_block: int = 128,
         rope_base: float = 10000.0,
         bias: bool = False,
+        cp_group=None,
         device=None,
         dtype=None,
     ):
@@ -198,10 +236,27 @@ class MSAAttention(_ProjectedAttention):
         self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block
         proxy_dim = (num_proxy_heads + num_proxy_kv_heads) * proxy_head_dim
         self.proxy_proj = nn.Linear(embed_dim, proxy_dim, bias=bias, device=device, dtype=dtype)
+        self.cp_group = cp_group
+        self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
+
+    def cp_plan_for(self, seq_len: int, device: torch.device) -> distributed.CpPlan:
+        """The context-parallel plan of a whole sequence of seq_len tokens for cp_group's
+        size: head-tail chunks of the causal layout of (q_block, kv_block), cached."""
+        if self.cp_group is None:
+            raise ValueError("cp_plan_for needs a layer built with cp_group=...")
+        key = (seq_len, torch.device(device))
+        if key not in self._plans:
+            layout = patterns.causal(
+                seq_len, q_block=self.q_block, kv_block=self.kv_block, device=key[1]
+            )
+            world_size = torch.distributed.get_world_size(self.cp_group)
+            self._plans[key] = distributed.cp_plan(layout, world_size, balance="headtail")
+        return self._plans[key]
 
     def forward(
-        self, x: torch.Tensor, *, warmup: bool = False
+        self, x: torch.Tensor, *, warmup: bool = False, cp_plan: distributed.CpPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_cp_plan(self.cp_group, cp_plan)
         q, k, v = self.project_qkv(x)
         batch, seq_len, _ = x.shape
         proxy_dim = self.proxy_head_dim
@@ -209,14 +264,27 @@ class MSAAttention(_ProjectedAttention):
             self.proxy_proj(x.detach()),  # kl_loss trains proxy_proj alone, no layer below
             [(self.num_proxy_heads, proxy_dim), (self.num_proxy_kv_heads, proxy_dim)],
         )
+        positions = None if cp_plan is None else cp_plan.token_index(
+            torch.distributed.get_rank(self.cp_group)
+        )  # fmt: skip
+        length = seq_len if cp_plan is None else cp_plan.layout.seq_len_q
         tables = {
-            dim: rotary_tables(seq_len, dim, base=self.rope_base, device=x.device)
+            dim: [
+                table if positions is None else table[positions]
+                for table in rotary_tables(length, dim, base=self.rope_base, device=x.device)
+            ]
             for dim in {self.head_dim, self.proxy_head_dim}
-        }  # D -> (cos, sin), each [S, D / 2]
+        }  # D -> (cos, sin), each [S (local), D / 2]
         q, k, q_proxy, k_proxy = (
             apply_rotary(tensor, *tables[tensor.shape[-1]]) for tensor in (q, k, q_proxy, k_proxy)
         )
-        out, kl_loss = self.attend(q_proxy, k_proxy, q, k, v, warmup)
+        if cp_plan is None:
+            out, kl_loss = self.attend(q_proxy, k_proxy, q, k, v, warmup)
+        else:
+            out, kl_loss = distributed.msa_func_cp(
+                q_proxy, k_proxy, q, k, v, cp_plan, group=self.cp_group, top_k=self.top_k,
+                q_block=self.q_block, kv_block=self.kv_block, warmup=warmup,
+            )  # fmt: skip
         return self.out_proj(out.reshape(batch, seq_len, -1)), kl_loss
 
     def attend(

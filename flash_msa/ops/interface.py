@@ -22,7 +22,8 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [B, S_q, H_q, D] and k, v [B, S_kv, H_kv, D]: one dtype and device, GQA heads."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -78,6 +79,11 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
             f"layout is for seq_len_q={layout.seq_len_q}, seq_len_kv={layout.seq_len_kv} but q has "
             f"{seq_len_q} and k, v have {seq_len_kv} tokens; build the layout for these lengths"
         )
+    check_layout_heads(layout, batch, heads_q, heads_kv)
+
+
+def check_layout_heads(layout: BlockLayout, batch: int, heads_q: int, heads_kv: int) -> None:
+    """The layout's batch and head dimensions broadcast to (B, H_q)."""
     if layout.layout_batch not in (1, batch):
         raise ValueError(
             f"layout_batch {layout.layout_batch} must be 1 (shared) or the batch size {batch}"
@@ -285,7 +291,7 @@ def block_sparse_attn_func(
         >>> layout = patterns.sliding_window(4096, 512) | patterns.global_tokens(4096, 64)
         >>> out = block_sparse_attn_func(q, k, v, layout, causal=True)
     """
-    _check_tensors(q, k, v)
+    check_tensors(q, k, v)
     _check_layout(layout, q, k)
     check_options(causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
     if positions is not None:
@@ -340,7 +346,7 @@ def block_sparse_attn_varlen_func(
                 f"{name} must be 3-D [total_tokens, heads, head_dim] for the varlen call, got "
                 f"shape {list(tensor.shape)}; padded batches go to block_sparse_attn_func"
             )
-    _check_tensors(*(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    check_tensors(*(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
     if positions is None and q.shape[0] != k.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k, v have {k.shape[0]}; pack them alike")
     if not _is_int(max_seqlen) or max_seqlen < 0:
