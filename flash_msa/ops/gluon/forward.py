@@ -17,11 +17,12 @@ partitions of warps share the program (gl.warp_specialize):
   softmax overlaps the other's matmuls.
 
 Element masks (a left / right window bound, causal being the right bound 0; documents;
-keys from S_kv on) are compiled in only for calls that have them. A consumer then decides
-per block, from scalar comparisons of its 64 rows' and the block's bounds, whether the
-block is full (no mask work) or partial (scores of keys a query must not see set to -inf
-in registers before the softmax), as the Triton kernels' mask_scores does; the producer
-only loads. Rows that see no key get zero output and lse = -inf.
+keys from S_kv on) are compiled in only for calls that have them (Masks), with the
+semantics of the Triton kernels' mask_scores. Each is a bound on the keys a query row sees
+(a document is a run of positions), so a consumer bounds its 64 rows' keys once and decides
+per block with two scalar compares whether the block is full (no mask work) or partial
+(scores of keys a query must not see set to -inf in registers before the softmax); the
+producer only loads. Rows that see no key get zero output and lse = -inf.
 
 Each consumer writes its 64 rows of O through the shared memory its query half used (TMA
 store) and its log-sum-exp (natural log) with plain stores. S_q and S_kv need not be
