@@ -107,8 +107,9 @@ def test_the_declared_support_of_the_real_backends():
 
 
 def test_gluon_refuses_what_it_does_not_run(monkeypatch):
-    """On an sm_90 device it takes unmasked whole blocks; the registry passes every other
-    call on (here the device's capability is stubbed: no GPU is needed)."""
+    """On an sm_90 device it takes masks, documents and any length; the registry passes
+    dropout, block positions and the rest on (here the device's capability is stubbed: no
+    GPU is needed)."""
     hopper = {"cuda": (9, 0)}
     monkeypatch.setattr(_env, "capability", lambda device: hopper.get(device.type))
     gluon = registry.get("gluon")
@@ -118,13 +119,13 @@ def test_gluon_refuses_what_it_does_not_run(monkeypatch):
         seq_len_q=4096, seq_len_kv=4096, batch=1, heads_q=16, heads_kv=4, layout_heads=4,
     )  # fmt: skip
     assert gluon.refusal(call) is None
+    for change in (dict(element_masks=True), dict(seq_len_kv=4000), dict(documents=True)):
+        assert gluon.refusal(dataclasses.replace(call, **change)) is None
     for change, reason in (
-        (dict(element_masks=True), "gluon takes whole blocks only: no causal or window masks"),
-        (dict(seq_len_kv=4000), "gluon takes sequence lengths that are multiples of 128"),
+        (dict(positions=True), "gluon has no block positions"),
         (dict(head_dim=96), "gluon takes head dims 64 and 128, not 96"),
         (dict(q_block=64), "gluon takes q_block in (128,), not 64"),
         (dict(dropout=True), "gluon has no dropout"),
-        (dict(documents=True), "gluon has no document masks"),
         (dict(layout_heads=2), "gluon takes layout_heads 1, H_kv or H_q, not 2"),
         (dict(dtype=torch.float32), "gluon takes float16, bfloat16, not float32"),
         (dict(device=torch.device("cpu")), "gluon runs on cuda, not cpu"),
