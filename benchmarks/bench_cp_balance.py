@@ -4,14 +4,15 @@ each rank moves against a ring's and an all-gather's.
     python benchmarks/bench_cp_balance.py [--seq-len 1m] [--world-size 8] [--out DIR]
 
 bf16, B=1, H_q=32, H_kv=8, D=128, blocks of 128. For each layout (window 4096 + 128 sinks,
-top-k 16, dense causal) and balance ("contiguous", "headtail"; "auto" picks one of them),
-every rank's share of block_sparse_attn_cp runs on this GPU, one rank after another:
-its attention over its own blocks and over the blocks it receives, merged, forward +
-backward, as in a real run but with the exchange replaced by a buffer of random blocks
-(the collectives are what a multi-GPU run measures). Reported: each rank's time, the
-busiest rank over the mean (the balance), and plan.stats' received bytes per rank with
-the bytes a ring (or an all-gather) of K/V brings each rank: (w - 1) / w of the sequence.
-Writes DIR/cp_balance.{json,md} (DIR defaults to benchmarks/results/<gpu>/).
+top-k 16, and dense causal at a quarter of the length) and each balance ("contiguous",
+"headtail"; "auto" picks one of them), every rank's share of block_sparse_attn_cp runs on
+this GPU, one rank after another: its attention over its own blocks and over the blocks
+it receives, merged, forward + backward, as in a real run but with the exchange replaced
+by a buffer of random blocks (the collectives are what a multi-GPU run measures).
+Reported: each rank's time, the busiest rank over the mean (the balance), and
+plan.stats' received bytes per rank with the bytes a ring (or an all-gather) of K/V
+brings each rank: (w - 1) / w of the sequence. Writes DIR/cp_balance.{json,md} (DIR
+defaults to benchmarks/results/<gpu>/).
 """
 
 from __future__ import annotations
@@ -29,15 +30,20 @@ from common import (
     random_tensors,
     results_dir,
     run_metadata,
-    timed,
     topk_layout,
+    wall_ms,
     window_layout,
     write_report,
 )
 
 from flash_msa.distributed import block_sparse_attn_cp, comm, cp_plan
 
-LAYOUTS = {"window+sinks": window_layout, "topk16": topk_layout, "causal": causal_layout}
+# name -> (layout, tokens as a multiple of --seq-len): dense causal at a quarter of it (a
+# rank's share at 1M is seconds a step).
+LAYOUTS = {
+    "window+sinks": (window_layout, 1.0), "topk16": (topk_layout, 1.0),
+    "causal": (causal_layout, 0.25),
+}  # fmt: skip
 BALANCES = ("contiguous", "headtail")
 HEADS_Q, HEADS_KV = 32, 8
 MiB = 2**20
@@ -90,24 +96,25 @@ def main() -> None:
     device = torch.device("cuda")
     meta = run_metadata(device)
     records = []
-    for name, build in LAYOUTS.items():
-        layout = build(args.seq_len, device)
+    for name, (build, share) in LAYOUTS.items():
+        seq_len = int(args.seq_len * share) // 128 * 128
+        layout = build(seq_len, device)
         auto = cp_plan(layout, args.world_size).balance
         for balance in BALANCES:
             plan = cp_plan(layout, args.world_size, balance=balance)
             times = []
             for rank in range(args.world_size):
                 step, tensors = rank_step(plan, rank, device)
-                times.append(timed(step, grad_to_none=tensors)["ms"])
+                times.append(wall_ms(step, device, repeats=3)[0])
                 del step, tensors
                 torch.cuda.empty_cache()
             stats = plan.stats(HEADS_KV, HEAD_DIM)
             record = dict(
                 meta, layout=name, balance=balance, auto=balance == auto,
-                seq_len=args.seq_len, world_size=args.world_size, rank_ms=times,
+                seq_len=seq_len, world_size=args.world_size, rank_ms=times,
                 max_over_mean=max(times) / statistics.mean(times),
                 recv_bytes=stats["recv_bytes"], send_bytes=stats["send_bytes"],
-                ring_bytes=ring_bytes(args.seq_len, args.world_size),
+                ring_bytes=ring_bytes(seq_len, args.world_size),
             )  # fmt: skip
             records.append(record)
             print(f"{name:14s} {balance:10s} max/mean {record['max_over_mean']:.3f} "
@@ -116,7 +123,8 @@ def main() -> None:
         (
             r,
             [
-                r["layout"], r["balance"] + (" (auto)" if r["auto"] else ""),
+                f"{r['layout']} {r['seq_len'] // 1024}K",
+                r["balance"] + (" (auto)" if r["auto"] else ""),
                 f"{max(r['rank_ms']):.1f}", f"{statistics.mean(r['rank_ms']):.1f}",
                 f"{r['max_over_mean']:.3f}", f"{max(r['recv_bytes']) / MiB:.1f}",
                 f"{r['ring_bytes'] / MiB:.0f}",
@@ -128,9 +136,10 @@ def main() -> None:
     columns = ["layout", "balance", "busiest rank ms", "mean ms", "max/mean",
                "max recv MiB", "ring/all-gather MiB", "fewer bytes"]  # fmt: skip
     notes = (
-        f"{args.seq_len} tokens over {args.world_size} ranks, bf16, H_q {HEADS_Q}, H_kv "
+        f"{args.world_size} ranks, bf16, H_q {HEADS_Q}, H_kv "
         f"{HEADS_KV}, D {HEAD_DIM}, blocks of 128, causal; forward + backward of each rank's "
-        "share run one rank after another on this GPU (exchange replaced by random blocks). "
+        "share run one rank after another on this GPU (exchange replaced by random blocks), "
+        "median of 3 after one. "
         "Received bytes: K/V in the forward (dK/dV go back in fp32: twice that)."
     )
     out_dir = results_dir(args.out, device)
