@@ -3,8 +3,9 @@
 Any device and dtype (float64 for ground truth), memory bounded by a chunk of query blocks
 (never S x S). Scores, softmax and the weighted sum are computed in fp32 (fp64 for fp64
 inputs), as the kernels do. The backward recomputes the forward under autograd. Dropout
-draws its own bits from a generator seeded by the call's seed (a different stream from the
-Triton kernels' Philox bits, but the same for the forward and its backward). Its backward
+draws the Triton kernels' bits: Philox4x32-10 under the call's seed with counter (key
+position, query position, query head, batch), computed in int64 arithmetic, so both
+backends drop the same weights, in any chunking, forward and backward. Its backward
 is not bitwise reproducible (CPU reductions may reorder between runs, about 1e-7 apart): the
 registry says so, and block_sparse_attn_func(..., deterministic=True) refuses this backend.
 The Triton kernels' backward is reproducible (no atomics).
@@ -19,6 +20,48 @@ from flash_msa.ops.registry import Backend
 from flash_msa.reference import visible
 
 SCORE_BUDGET = 1 << 24  # score elements per chunk of query blocks (64 MiB in fp32)
+
+# Philox4x32-10 as triton.language.random: round multipliers and key increments.
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+UINT32 = 0xFFFFFFFF
+# uint_to_uniform_float's scale for 32 bits: the largest with (2^31 - 1) * scale < 1 in fp32.
+UNIFORM_SCALE = 4.6566127342e-10
+
+
+def philox(seed: int, c0, c1, c2, c3) -> torch.Tensor:
+    """First 32-bit word of Philox4x32-10 for counters (c0, c1, c2, c3) under a 64-bit seed, as
+    Triton's tl.philox(seed, c0, c1, c2, c3)[0]: int64 tensors of uint32 values, broadcast.
+    An int64 product of two uint32 values wraps, keeping the exact low 64 bits: its high
+    word is (p >> 32) & 0xFFFFFFFF, its low word p & 0xFFFFFFFF."""
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape)
+    # Full-size copies, updated in place: each round is a dozen passes over the scores.
+    c0, c1, c2, c3 = (c.expand(shape).clone(memory_format=torch.contiguous_format)
+                      for c in (c0, c1, c2, c3))  # fmt: skip
+    k0, k1 = seed & UINT32, (seed >> 32) & UINT32
+    for _ in range(PHILOX_ROUNDS):
+        product_b, product_a = c2.mul_(PHILOX_ROUND_B), c0.mul_(PHILOX_ROUND_A)
+        c0 = (product_b >> 32).bitwise_and_(UINT32).bitwise_xor_(c1).bitwise_xor_(k0)
+        c2 = (product_a >> 32).bitwise_and_(UINT32).bitwise_xor_(c3).bitwise_xor_(k1)
+        c1, c3 = product_b.bitwise_and_(UINT32), product_a.bitwise_and_(UINT32)
+        k0, k1 = (k0 + PHILOX_KEY_A) & UINT32, (k1 + PHILOX_KEY_B) & UINT32
+    return c0
+
+
+def uniform_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 in [0, 1) of uint32 bits (int64), as tl.uint_to_uniform_float: the bits read as
+    int32, negatives folded onto -x - 1, times the scale in fp32."""
+    folded = torch.where(bits > UINT32 >> 1, UINT32 - bits, bits)  # [0, 2^31 - 1]
+    return folded.to(torch.float32) * torch.tensor(UNIFORM_SCALE, dtype=torch.float32)
+
+
+def dropout_keep(seed: int, dropout_p: float, batches, heads, query_positions, key_positions):
+    """bool: where the kernels' dropout keeps a probability (triton.common.dropout_scale): the
+    uniform of Philox bits under seed with counter (key, query, head, batch) is at least p.
+    The int64 index tensors broadcast to the scores' shape."""
+    bits = philox(seed, key_positions, query_positions, heads, batches)
+    return uniform_of_bits(bits) >= torch.tensor(dropout_p, dtype=torch.float32)
 
 
 def layout_slices(layout: BlockLayout, heads_q: int):
@@ -42,13 +85,14 @@ def _global_positions(index: torch.Tensor, block: int, blocks: torch.Tensor | No
 
 def _row_attention(
     q, k, v, layout, index, rows, width, *, causal, window_size, scale, documents, dropout_p,
-    generator, positions,
+    dropout_seed, batch_ids, head_ids, positions,
 ):  # fmt: skip
     """Attention of query blocks `rows` (int64 [R]) of layout `index`, each padded to `width`
     kv blocks.
 
     q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head);
     documents: int [b, S] document ids (keys of another document are not seen) or None;
+    batch_ids [b], head_ids [h]: the batch elements and query heads of q (dropout counters);
     positions: the BlockPositions of q's blocks and k's slots, or None.
     Returns out [b, R * q_block, h, D] and lse [b, h, R * q_block] (padded tail included).
     """
@@ -91,8 +135,11 @@ def _row_attention(
     finite_lse = torch.where(torch.isinf(lse), 0.0, lse)
     probs = torch.exp(scores - finite_lse[..., None])
     if dropout_p > 0:
-        uniform = torch.rand(probs.shape, generator=generator, device=q.device, dtype=probs.dtype)
-        probs = probs * (uniform >= dropout_p) / (1.0 - dropout_p)
+        keep = dropout_keep(
+            dropout_seed, dropout_p, batch_ids[:, None, None, None, None],
+            head_ids[:, None, None, None], q_pos[:, :, None], k_pos[:, None, :],
+        )  # fmt: skip  # [b, h, R, q_block, m * kv_block]
+        probs = probs * keep / (1.0 - dropout_p)
     out = torch.einsum("bhrij,brjhd->brihd", probs, v_rows)
     return out.flatten(1, 2), lse.flatten(2).float()
 
@@ -121,8 +168,9 @@ def attention_forward(
     if q.numel() == 0 or layout.nnz == 0:
         lse = torch.full((batch, heads_q, seq_len_q), float("-inf"), device=q.device)
         return q.new_zeros(q.shape), lse
-    kv_head_of = torch.arange(heads_q, device=q.device) // (heads_q // heads_kv)
-    generator = torch.Generator(device=q.device).manual_seed(dropout_seed)
+    head_ids = torch.arange(heads_q, device=q.device)
+    kv_head_of = head_ids // (heads_q // heads_kv)
+    batch_ids = torch.arange(batch, device=q.device)
     counts = layout.row_counts().view(layout.num_layouts, layout.num_q_blocks)
     widths = counts.max(dim=1).values.clamp(min=1).tolist()  # one read of the layout
     rows = torch.arange(layout.num_q_blocks, device=q.device)
@@ -133,25 +181,16 @@ def attention_forward(
         k_part, v_part = k[batches][:, :, kv_heads], v[batches][:, :, kv_heads]
         width = widths[index]
         per_row = q_part.shape[0] * q_part.shape[2] * layout.q_block * width * layout.kv_block
+        documents = None if document_ids is None else document_ids[batches]
         pieces = [
             _row_attention(
-                q_part,
-                k_part,
-                v_part,
-                layout,
-                index,
-                part,
-                width,
-                causal=causal,
-                window_size=window_size,
-                scale=softmax_scale,
-                documents=None if document_ids is None else document_ids[batches],
-                dropout_p=dropout_p,
-                generator=generator,
-                positions=positions,
-            )  # fmt: skip
+                q_part, k_part, v_part, layout, index, part, width, causal=causal,
+                window_size=window_size, scale=softmax_scale, documents=documents,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, batch_ids=batch_ids[batches],
+                head_ids=head_ids[heads], positions=positions,
+            )
             for part in rows.split(max(1, score_budget // per_row))
-        ]
+        ]  # fmt: skip
         outs.append(torch.cat([p[0] for p in pieces], 1)[:, :seq_len_q].to(q.dtype))
         lses.append(torch.cat([p[1] for p in pieces], 2)[..., :seq_len_q])
     heads = layout.layout_heads  # layout index = layout batch * layout_heads + layout head

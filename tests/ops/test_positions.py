@@ -180,12 +180,13 @@ def test_local_rows_equal_the_global_call(backend, name, poisoned_allocations):
     assert all(error < TOLERANCE[backend] for error in errors.values()), errors
 
 
-def test_dropout_bits_follow_global_positions(poisoned_allocations):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dropout_bits_follow_global_positions(backend, poisoned_allocations):
     """Philox counters are global positions: the local call drops what the global one does."""
     layout = patterns.sliding_window(300, 48, q_block=32, kv_block=64, device=DEVICE)
     options = dict(causal=True, dropout_p=0.3)
-    errors = compare("triton", layout, head_tail(layout, 2, 1), reference="triton", **options)
-    assert all(error < TOLERANCE["triton"] for error in errors.values()), errors
+    errors = compare(backend, layout, head_tail(layout, 2, 1), reference=backend, **options)
+    assert all(error < TOLERANCE[backend] for error in errors.values()), errors
 
 
 def test_pointer_and_tma_loads_agree():

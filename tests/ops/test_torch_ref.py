@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flash_msa import block_sparse_attn_func, patterns
+from flash_msa import _env, block_sparse_attn_func, patterns
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
 
@@ -154,3 +154,60 @@ def test_float16_keeps_its_accuracy_as_inputs_grow(std):
     ).transpose(1, 2)
     assert sdpa.dtype == torch.float16
     assert relative_error(out, exact) <= 2 * relative_error(sdpa, exact)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and not _env.interpreting(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", [0, 1234, 2**31 - 2, 2**40 + 5])  # the last: a high seed word
+def test_dropout_keeps_what_the_kernels_keep(seed):
+    """The torch backend's Philox bits are the kernels': its keep pattern is the mask
+    flash_msa.ops.triton.dropout materialises, element for element."""
+    from flash_msa.ops.torch_ref import dropout_keep
+    from flash_msa.ops.triton.dropout import dropout_mask
+
+    batch, heads, seq_len_q, seq_len_kv = 2, 3, 70, 90
+    expected = dropout_mask(seed, 0.3, batch, heads, seq_len_q, seq_len_kv, DEVICE)
+    index = [torch.arange(size, device=DEVICE) for size in (batch, heads, seq_len_q, seq_len_kv)]
+    keep = dropout_keep(seed, 0.3, index[0][:, None, None, None], index[1][:, None, None],
+                        index[2][:, None], index[3])  # fmt: skip
+    assert torch.equal(keep, expected)
+
+
+@needs_triton
+def test_dropout_matches_the_triton_backend():
+    """Same seed, same kept weights: the torch and triton backends agree on out and gradients
+    (GQA, a layout per kv head, documents, a ragged end)."""
+    layout = patterns.stack(
+        [patterns.random_blocks(150, 2, seed=h, block_size=32, device=DEVICE) for h in range(2)]
+    )
+    document_ids = torch.tensor([[0] * 60 + [1] * 90], device=DEVICE)
+    results = []
+    for backend in ("torch", "triton"):
+        q, k, v = random_qkv(1, 150, 4, 16, heads_kv=2, device=DEVICE, requires_grad=True, seed=7)
+        torch.manual_seed(3)  # the call's dropout seed
+        out = block_sparse_attn_func(q, k, v, layout, causal=True, dropout_p=0.4,
+                                     document_ids=document_ids, backend=backend)  # fmt: skip
+        out.backward(torch.ones_like(out))
+        results.append((out, q.grad, k.grad, v.grad))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert relative_error(got, want) < 1e-5, name
+
+
+def test_dropout_does_not_depend_on_chunking():
+    from flash_msa.ops import torch_ref
+
+    layout = patterns.sliding_window(256, 64, block_size=16)
+    q, k, v = random_qkv(2, 256, 2, 16, seed=6)
+    options = dict(causal=True, window_size=(-1, -1), softmax_scale=0.25, dropout_p=0.3,
+                   dropout_seed=99)  # fmt: skip
+    whole = torch_ref.attention_forward(q, k, v, layout, **options)
+    for budget in (1, 20000):  # one query block per chunk; a few
+        chunked = torch_ref.attention_forward(q, k, v, layout, **options, score_budget=budget)
+        for got, want in zip(chunked, whole, strict=True):
+            assert torch.equal(got, want)
