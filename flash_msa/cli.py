@@ -1,5 +1,6 @@
 """The flash-msa command: demo runs forward + backward and checks them against a reference,
-show draws a pattern, info prints the versions, the device and the attention backends."""
+show draws a pattern, info prints the versions, the device and the attention backends, niah
+runs the needle-in-a-haystack benchmark."""
 
 from __future__ import annotations
 
@@ -237,6 +238,55 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated token counts, 'k' for 1024 ('2k,32k')."""
+    lengths = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        try:
+            lengths.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not a token count: write e.g. 2048 or 2k, comma-separated"
+            ) from None
+    return tuple(lengths)
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """An argparse type: comma-separated fractions ('0,0.5,1')."""
+    try:
+        return tuple(float(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of fractions: write e.g. 0,0.25,0.5,0.75,1"
+        ) from None
+
+
+NIAH_INCOMPLETE = 75  # EX_TEMPFAIL: --max-minutes ran out; the same command resumes
+
+
+def niah(args: argparse.Namespace) -> int:
+    """Train and evaluate the needle benchmark's variants; see flash_msa.niah."""
+    import pathlib
+
+    from flash_msa.niah.suite import TINY, build_configs, run_suite
+
+    model, needles, train, grid = build_configs(
+        tiny=args.tiny, layers=args.layers, dim=args.dim, heads=args.heads,
+        kv_heads=args.kv_heads, checkpointing=args.activation_checkpointing or None,
+        steps=args.steps, train_len=args.train_len, batch=args.batch, seed=args.seed,
+        context_lens=args.context_lens, depths=args.depths, samples=args.samples,
+    )  # fmt: skip
+    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    done = run_suite(
+        [variant.strip() for variant in args.variants.split(",")], model_config=model,
+        needles=needles, train_config=train, grid=grid, device=torch.device(device),
+        checkpoint_dir=pathlib.Path(args.checkpoint_dir), out_dir=pathlib.Path(args.out),
+        max_minutes=args.max_minutes, timing_repeats=TINY["timing_repeats"] if args.tiny else 5,
+    )  # fmt: skip
+    return 0 if done else NIAH_INCOMPLETE
+
+
 def _block_size(name: str):
     """An argparse type: an int block size in BLOCK_SIZES, or an error naming the option."""
 
@@ -340,7 +390,113 @@ def build_parser() -> argparse.ArgumentParser:
     info_help = "print the versions, the device, the Triton interpreter and the backends"
     info_parser = commands.add_parser("info", help=info_help, description=info_help + ".")
     info_parser.set_defaults(run=info, parser=info_parser)
+    _add_niah_parser(commands)
     return parser
+
+
+def _add_niah_parser(commands) -> None:
+    niah_help = (
+        "train small Llama models (dense, sliding window, oracle top-k, MSA) on needle "
+        "retrieval and write the needle grid"
+    )
+    niah_parser = commands.add_parser(
+        "niah", help=niah_help,
+        description=niah_help + ": niah.json, niah.md and niah.png in --out. Resumable: rerun "
+        f"the same command to continue; exit status {NIAH_INCOMPLETE} when --max-minutes "
+        "stopped it first. Defaults fit an H200 (about 5 minutes per variant); --tiny runs "
+        "the whole benchmark on the CPU in a minute or so (TRITON_INTERPRET=1 for "
+        "oracle_topk and msa).",
+    )  # fmt: skip
+    add = niah_parser.add_argument
+    add(
+        "--variants",
+        default="dense,window,oracle_topk,msa",
+        help="comma-separated variants to run, in order (default: dense,window,oracle_topk,msa)",
+    )
+    add(
+        "--context-lens",
+        type=_lengths,
+        default=None,
+        metavar="LENGTHS",
+        help="evaluation context lengths in tokens, comma-separated, k = 1024 "
+        "(default: 2k,4k,8k,16k,32k; 64,128 with --tiny)",
+    )
+    add(
+        "--depths",
+        type=_fractions,
+        default=None,
+        help="needle depths, fractions of the haystack, comma-separated "
+        "(default: 0,0.1,...,1; 0,1 with --tiny)",
+    )
+    add(
+        "--samples",
+        type=int,
+        default=None,
+        help="evaluation samples per task and grid cell (default: 16; 1 with --tiny)",
+    )
+    add(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per variant (default: 5000; 2 with --tiny)",
+    )
+    add(
+        "--train-len",
+        type=lambda text: _lengths(text)[0],
+        default=None,
+        help="longest training length in tokens; training lengths are the powers of two from "
+        "512 up to it (default: 32k; 128 with --tiny)",
+    )
+    add(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per step at --train-len; shorter steps hold more, so each step trains "
+        "BATCH x TRAIN_LEN tokens (default: 1)",
+    )
+    add("--layers", type=int, default=None, help="decoder layers (default: 4; 2 with --tiny)")
+    add("--dim", type=int, default=None, help="model width (default: 512; 64 with --tiny)")
+    add("--heads", type=int, default=None, help="query heads (default: 8; 4 with --tiny)")
+    add("--kv-heads", type=int, default=None, help="key/value heads (default: 2)")
+    add(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward: less memory, more time",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the data, the initial parameters and the grid (default: 0)",
+    )
+    add(
+        "--checkpoint-dir",
+        default="niah-checkpoints",
+        help="checkpoints and per-variant results; reuse it to resume (default: niah-checkpoints)",
+    )
+    add(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget of this run: save and stop when spent, resume on the next run "
+        "(default: none)",
+    )
+    add(
+        "--out",
+        default="niah-results",
+        help="results directory for niah.json, niah.md and niah.png (default: niah-results)",
+    )
+    add(
+        "--device",
+        default=None,
+        help="torch device to train on (default: cuda when present, else cpu; cpu with --tiny)",
+    )
+    add(
+        "--tiny",
+        action="store_true",
+        help="a tiny model, schedule and grid on the CPU, to check that everything runs",
+    )
+    niah_parser.set_defaults(run=niah, parser=niah_parser)
 
 
 def main(argv: list[str] | None = None) -> int:
