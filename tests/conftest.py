@@ -34,6 +34,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def poisoned_allocations(monkeypatch):
     """Fill every floating buffer the kernels allocate with NaN: unwritten elements fail."""
+    # Dynamo maps torch's functions to their tracing rules once per process, from what
+    # torch.empty is when it first builds the map: build it before the patch, or a later
+    # torch.compile would find no rule for the real torch.empty.
+    torch._dynamo.trace_rules.get_torch_obj_rule_map()
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(tensor):
