@@ -66,8 +66,8 @@ def attention_reference(
     q [B, S_q, H_q, D], k/v [B, S_kv, H_kv, D], mask bool broadcastable to
     [B, H_q, S_q, S_kv]; dropout_keep (bool, same shape) drops the probabilities it marks
     False and scales the rest by 1 / (1 - dropout_p). Returns out [B, S_q, H_q, D] (zeros
-    where a query sees nothing) and lse fp32 [B, H_q, S_q] (natural log; -inf where it sees
-    nothing)."""
+    where a query sees nothing) and lse [B, H_q, S_q] (fp32; fp64 for float64 inputs; natural
+    log; -inf where it sees nothing)."""
     group = q.shape[2] // k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     k = k.repeat_interleave(group, dim=2)
@@ -79,4 +79,4 @@ def attention_reference(
     if dropout_keep is not None:
         probs = probs * dropout_keep / (1.0 - dropout_p)
     out = torch.einsum("bhij,bjhd->bihd", probs, v)
-    return out, lse.float()
+    return out, lse.to(torch.promote_types(lse.dtype, torch.float32))

@@ -5,8 +5,9 @@ rank exactly the K/V blocks its rows read (one all_to_all_single with the plan's
 splits), computes its rows over its own blocks while the exchange is in flight, then over
 the received blocks, and merges the two by their log-sum-exp. The backward runs both parts
 again with the merged output and lse (as FlashAttention's backward does for any split of
-the keys), sends the dK/dV of received blocks back to their owners in fp32 while it computes
-the local part, and adds them there. The received K/V is kept from the forward.
+the keys), sends the dK/dV of received blocks back to their owners in fp32 (fp64 for
+float64 inputs) while it computes the local part, and adds them there. The received K/V is
+kept from the forward.
 """
 
 from __future__ import annotations
@@ -60,16 +61,22 @@ def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0, 0, 0, 0, pad)) if pad else tensor
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Where partial results add up: fp32, fp64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _merge(out_a, lse_a, out_b, lse_b):
     """Softmax over the union of two disjoint key sets from each set's (out, lse):
-    out [B, S, H, D], lse fp32 [B, H, S] (-inf where a set is empty)."""
+    out [B, S, H, D], lse [B, H, S] (-inf where a set is empty)."""
     lse = torch.logaddexp(lse_a, lse_b)  # [B, H, S]
     finite = torch.isfinite(lse)
 
     def weight(part):  # [B, S, H, 1]
         return torch.where(finite, torch.exp(part - lse), 0.0).transpose(1, 2)[..., None]
 
-    out = out_a.float() * weight(lse_a) + out_b.float() * weight(lse_b)
+    wide = _wide(out_a.dtype)
+    out = out_a.to(wide) * weight(lse_a) + out_b.to(wide) * weight(lse_b)
     return out.to(out_a.dtype), lse
 
 
@@ -108,23 +115,24 @@ class _ContextParallelAttention(torch.autograd.Function):
         q, k_own, v_own, recv, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
         exchange = call.plan.exchange(call.rank)
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        wide = _wide(q.dtype)  # dQ and the dK/dV partials add up in it
+        grad_q = torch.zeros(q.shape, dtype=wide, device=q.device)
         # Remote part first, so that its dK/dV travel while the local part computes.
-        back = recv.new_zeros(recv.shape, dtype=torch.float32)  # [n_recv, kv_block, B, 2, H, D]
+        back = recv.new_zeros(recv.shape, dtype=wide)  # [n_recv, kv_block, B, 2, H, D]
         if exchange.remote is not None:
             k_recv, v_recv = comm.as_keys_values(recv)
             remote = call.options(exchange.remote, exchange.recv_blocks)
             dq, dk, dv = sparse_attention_backward(grad_out, q, k_recv, v_recv, out, lse, **remote)
             grad_q += dq
             back = torch.stack([dk, dv], dim=2).unflatten(1, (-1, recv.shape[1]))
-            back = back.permute(1, 2, 0, 3, 4, 5).float()  # [n_recv, kv_block, B, 2, H, D]
+            back = back.permute(1, 2, 0, 3, 4, 5).to(wide)  # [n_recv, kv_block, B, 2, H, D]
         partials, work = comm.exchange(back, exchange.recv_counts, exchange.send_counts,
                                        call.group)  # fmt: skip
         local = call.options(exchange.local, exchange.own_blocks)
         dq, dk, dv = sparse_attention_backward(grad_out, q, k_own, v_own, out, lse, **local)
         grad_q += dq
         kv_block = call.plan.layout.kv_block
-        grads = torch.stack([dk, dv], dim=2).float().unflatten(1, (-1, kv_block))
+        grads = torch.stack([dk, dv], dim=2).to(wide).unflatten(1, (-1, kv_block))
         if work is not None:
             work.wait()
         # [B, n_own, kv_block, 2, H, D] += each destination's partials in turn: a block

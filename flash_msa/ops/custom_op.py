@@ -65,7 +65,7 @@ def _forward(
 @_forward.register_fake
 def _(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, *options):
     batch, seq_len_q, heads_q, _ = q.shape
-    lse = q.new_empty((batch, heads_q, seq_len_q), dtype=torch.float32)
+    lse = q.new_empty((batch, heads_q, seq_len_q), dtype=registry.lse_dtype(q.dtype))
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
 

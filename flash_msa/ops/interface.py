@@ -285,7 +285,8 @@ def block_sparse_attn_func(
 
     Returns:
         out [B, S_q, H_q, D] (zeros where a query sees nothing) and, with return_lse,
-        lse fp32 [B, H_q, S_q] (natural log; -inf where a query sees nothing).
+        lse [B, H_q, S_q] (fp32, fp64 for float64 inputs; natural log; -inf where a query
+        sees nothing).
 
     Examples:
         >>> layout = patterns.sliding_window(4096, 512) | patterns.global_tokens(4096, 64)
@@ -338,7 +339,7 @@ def block_sparse_attn_varlen_func(
             tokens, k and v a buffer of kv blocks; cu_seqlens then ends at positions.seq_len.
 
     Returns:
-        out [T, H_q, D] and, with return_lse, lse fp32 [H_q, T].
+        out [T, H_q, D] and, with return_lse, lse [H_q, T] (fp32, fp64 for float64 inputs).
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:

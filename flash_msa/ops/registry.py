@@ -52,12 +52,19 @@ class Refusal(NamedTuple):
     error: type[Exception] = ValueError
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype for inputs of `dtype`: float32, float64 for float64 inputs
+    (ground truth stays float64 throughout, e.g. when partial results merge by their lse)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of the block-sparse op.
 
     forward(q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, dropout_p,
-    dropout_seed, positions) -> (out, lse) and backward(grad_out, q, k, v, out, lse, layout, *,
+    dropout_seed, positions) -> (out, lse: lse_dtype(q.dtype) [B, H_q, S_q]) and
+    backward(grad_out, q, k, v, out, lse, layout, *,
     the same options) -> (dq, dk, dv) take validated, kernel-ready tensors (custom_op.py);
     positions is a BlockPositions of int32 tensors or None. A backend that has no block
     positions refuses calls with them in `check`.

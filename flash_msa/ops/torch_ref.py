@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa.layout import BLOCK_SIZES, BlockLayout, BlockPositions
-from flash_msa.ops.registry import Backend
+from flash_msa.ops.registry import Backend, lse_dtype
 from flash_msa.reference import visible
 
 SCORE_BUDGET = 1 << 24  # score elements per chunk of query blocks (64 MiB in fp32)
@@ -141,7 +141,7 @@ def _row_attention(
         )  # fmt: skip  # [b, h, R, q_block, m * kv_block]
         probs = probs * keep / (1.0 - dropout_p)
     out = torch.einsum("bhrij,brjhd->brihd", probs, v_rows)
-    return out.flatten(1, 2), lse.flatten(2).float()
+    return out.flatten(1, 2), lse.flatten(2).to(lse_dtype(q.dtype))
 
 
 def attention_forward(
@@ -159,14 +159,17 @@ def attention_forward(
     positions: BlockPositions | None = None,
     score_budget: int = SCORE_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, S_q, H_q, D] and lse fp32 [B, H_q, S_q] of validated inputs; differentiable
+    """out [B, S_q, H_q, D] and lse [B, H_q, S_q] (fp32; fp64 for fp64 inputs) of validated
+    inputs; differentiable
     by autograd. document_ids int [B, S] keeps attention within documents; positions (a
     BlockPositions) place q's blocks and k's slots in a longer sequence; score_budget:
     score elements computed at a time (whole query blocks, at least one)."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
     if q.numel() == 0 or layout.nnz == 0:
-        lse = torch.full((batch, heads_q, seq_len_q), float("-inf"), device=q.device)
+        lse = torch.full(
+            (batch, heads_q, seq_len_q), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
+        )
         return q.new_zeros(q.shape), lse
     head_ids = torch.arange(heads_q, device=q.device)
     kv_head_of = head_ids // (heads_q // heads_kv)

@@ -123,7 +123,7 @@ CASES = {
         "triton",
     ),
 }
-TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 def _on_rank_zero(rank, compute):

@@ -33,6 +33,7 @@ from flash_msa import (
     block_sparse_attn_varlen_func,
     patterns,
 )
+from flash_msa.ops.registry import lse_dtype
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.sequences import document_ids_of
 from flash_msa.testing import relative_error
@@ -547,7 +548,7 @@ def run(case: Case) -> None:
     if lse is not None:
         expected_shape = (case.heads_q, case.seq_q) if squeeze else (
             case.batch, case.heads_q, case.seq_q)  # fmt: skip
-        assert tuple(lse.shape) == expected_shape and lse.dtype == torch.float32
+        assert tuple(lse.shape) == expected_shape and lse.dtype == lse_dtype(out.dtype)
     generator = torch.Generator().manual_seed(case.seed + 2)
     grad_out = torch.randn(out.shape, generator=generator).to(out.dtype)
     if case.grad_storage == "expand_seq" and out.shape[-3] > 0:
