@@ -233,7 +233,9 @@ def _side_tensors(document_ids, positions):
         document_ids = document_ids.to(torch.int32).contiguous()
     if positions is None:
         return document_ids, None, None, 0
-    q_blocks, kv_blocks = (t.to(torch.int32).contiguous() for t in positions[:2])
+    q_blocks, kv_blocks = (
+        t.to(torch.int32).contiguous() for t in (positions.q_blocks, positions.kv_blocks)
+    )
     return document_ids, q_blocks, kv_blocks, positions.seq_len
 
 
