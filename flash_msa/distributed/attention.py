@@ -26,6 +26,8 @@ from flash_msa.ops.custom_op import sparse_attention, sparse_attention_backward
 from flash_msa.ops.interface import check_layout_heads, check_options, check_tensors
 from flash_msa.sequences import check_document_ids
 
+COLLECTIVES = ("all_to_all", "allgather")
+
 
 @dataclass(frozen=True)
 class _Call:
@@ -41,6 +43,10 @@ class _Call:
     document_ids: torch.Tensor | None
     dropout_p: float
     dropout_seed: int
+    collective: str  # "all_to_all" (the blocks rows read) or "allgather" (every block)
+
+    def exchange(self) -> RankExchange:
+        return self.plan.exchange(self.rank, every_block=self.collective == "allgather")
 
     def options(self, layout: BlockLayout, kv_blocks: torch.Tensor) -> dict:
         positions = BlockPositions(
@@ -80,26 +86,37 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
-def _send_buffer(k_own, v_own, exchange: RankExchange, kv_block: int) -> torch.Tensor:
-    """The blocks other ranks need, [n_send, kv_block, B, 2, H, D], in the plan's order."""
-    blocks = exchange.own_blocks.numel()
-    pairs = [t.unflatten(1, (blocks, kv_block))[:, exchange.send_slots] for t in (k_own, v_own)]
-    return torch.stack(pairs, dim=3).permute(1, 2, 0, 3, 4, 5)  # [n_send, kv_block, B, 2, H, D]
+def _blocks_buffer(k_own, v_own, kv_block: int, slots: torch.Tensor | None = None):
+    """K/V of the own slots `slots` (all of them when None) as [n, kv_block, B, 2, H, D],
+    the exchanges' layout."""
+    pairs = [t.unflatten(1, (-1, kv_block)) for t in (k_own, v_own)]  # [B, n_own, kv_block, ...]
+    if slots is not None:
+        pairs = [t[:, slots] for t in pairs]
+    return torch.stack(pairs, dim=3).permute(1, 2, 0, 3, 4, 5)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        exchange = call.plan.exchange(call.rank)
+        exchange = call.exchange()
         kv_block = call.plan.layout.kv_block
         rows = exchange.own_blocks.numel() * kv_block
         k_own, v_own = _padded(k, rows), _padded(v, rows)  # [B, n_own * kv_block, H_kv, D]
-        send = _send_buffer(k_own, v_own, exchange, kv_block)
-        recv, work = comm.exchange(send, exchange.send_counts, exchange.recv_counts, call.group)
+        if call.collective == "allgather":
+            counts = torch.bincount(call.plan.block_owners, minlength=call.plan.world_size)
+            counts = counts.tolist()
+            own = _blocks_buffer(k_own, v_own, kv_block)
+            gathered, work = comm.all_gather_blocks(own, counts, call.group)
+        else:
+            send = _blocks_buffer(k_own, v_own, kv_block, exchange.send_slots)
+            recv, work = comm.exchange(send, exchange.send_counts, exchange.recv_counts,
+                                       call.group)  # fmt: skip
         local = call.options(exchange.local, exchange.own_blocks)
         out, lse = sparse_attention(q, k_own, v_own, **local)
         if work is not None:
             work.wait()
+        if call.collective == "allgather":
+            recv = comm.other_ranks_blocks(gathered, counts, call.rank)
         if exchange.remote is not None:
             k_recv, v_recv = comm.as_keys_values(recv)  # [B, n_recv * kv_block, H_kv, D]
             remote = call.options(exchange.remote, exchange.recv_blocks)
@@ -114,7 +131,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k_own, v_own, recv, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
-        exchange = call.plan.exchange(call.rank)
+        exchange = call.exchange()
         wide = _wide(q.dtype)  # dQ and the dK/dV partials add up in it
         grad_q = torch.zeros(q.shape, dtype=wide, device=q.device)
         # Remote part first, so that its dK/dV travel while the local part computes.
@@ -168,6 +185,7 @@ def block_sparse_attn_cp(
     return_lse: bool = False,
     backend: str = "auto",
     document_ids: torch.Tensor | None = None,
+    collective: str = "all_to_all",
 ):
     """Block-sparse attention of one sequence sharded across the ranks of `group`.
 
@@ -184,6 +202,10 @@ def block_sparse_attn_cp(
         return_lse: also return lse fp32 [B, H_q, S_local].
         document_ids: int [B, S] over the whole sequence (the same on every rank), e.g.
             flash_msa.sequences.document_ids_of(cu_seqlens)[None].
+        collective: "all_to_all" sends each rank exactly the K/V blocks its rows read;
+            "allgather" brings every rank all of the others' blocks (one all_gather: for
+            dense layouts, whose rows read nearly everything). dK/dV of received blocks go
+            back by one all_to_all either way.
 
     Returns:
         out [B, S_local, H_q, D] (and lse): this rank's rows. Gradients reach q, k, v of
@@ -198,6 +220,8 @@ def block_sparse_attn_cp(
         >>> out = block_sparse_attn_cp(q[:, index], k[:, index], v[:, index], plan, causal=True)
     """
     _check_plan(plan)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
     check_tensors(q, k, v)
     check_options(causal, window_size, softmax_scale, dropout_p, False, return_lse)
     rank = comm.group_rank(group, plan)
@@ -214,7 +238,7 @@ def block_sparse_attn_cp(
     if document_ids is not None:
         check_document_ids(document_ids, q.shape[0], plan.layout.seq_len_kv, q.device)
         document_ids = document_ids.to(torch.int32).contiguous()
-    exchange = plan.exchange(rank)
+    exchange = plan.exchange(rank, every_block=collective == "allgather")
     call = registry.AttentionCall(
         device=q.device, dtype=q.dtype, head_dim=q.shape[-1], q_block=plan.layout.q_block,
         kv_block=plan.layout.kv_block, dropout=dropout_p > 0,
@@ -231,6 +255,7 @@ def block_sparse_attn_cp(
         softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
         else float(softmax_scale),
         document_ids=document_ids, dropout_p=float(dropout_p), dropout_seed=seeds[0],
+        collective=collective,
     )  # fmt: skip
     out, lse = _ContextParallelAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out

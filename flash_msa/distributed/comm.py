@@ -114,6 +114,26 @@ def exchange(
     return recv, work
 
 
+def all_gather_blocks(
+    own: torch.Tensor, counts: list[int], group
+) -> tuple[torch.Tensor, dist.Work]:
+    """Start the all-gather of every rank's own blocks ([n_own, ...], counts[t] on rank t,
+    padded to the longest): returns the [w, longest, ...] buffer and the work to wait on."""
+    longest = max(counts)
+    padded = own.new_zeros((longest, *own.shape[1:]))
+    padded[: own.shape[0]] = own
+    gathered = own.new_empty((len(counts) * longest, *own.shape[1:]))  # rank-major
+    work = dist.all_gather_into_tensor(gathered, padded, group=group, async_op=True)
+    return gathered.unflatten(0, (len(counts), longest)), work
+
+
+def other_ranks_blocks(gathered: torch.Tensor, counts: list[int], rank: int) -> torch.Tensor:
+    """[sum of the other ranks' counts, ...]: all_gather_blocks' buffer without padding and
+    without this rank's own blocks, by source rank (RankExchange's received order with
+    every_block)."""
+    return torch.cat([gathered[t, :count] for t, count in enumerate(counts) if t != rank])
+
+
 class _GatherSequence(torch.autograd.Function):
     """Every rank's shard, padded to the longest, as one [w, B, longest, ...] (all_gather);
     the backward sends each rank the gradients of its shard from every rank (one

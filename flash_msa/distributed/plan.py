@@ -243,7 +243,7 @@ class CpPlan:
         tokens = torch.zeros(world_size, dtype=torch.int64, device=device)
         self._tokens = tokens.index_add_(0, block_owners, block_tokens).tolist()
         self.busiest_cost = {balance: max(self.model_cost())}
-        self._exchanges: dict[int, RankExchange] = {}
+        self._exchanges: dict[tuple[int, bool], RankExchange] = {}
         self._digest: int | None = None
         self._gather_index: torch.Tensor | None = None
 
@@ -311,25 +311,28 @@ class CpPlan:
             validate=False,
         )
 
-    def exchange(self, rank: int) -> RankExchange:
-        """The rank's sends, receives and split rows for the forward's all-to-all (cached:
-        the plan is static)."""
+    def exchange(self, rank: int, *, every_block: bool = False) -> RankExchange:
+        """The rank's sends, receives and split rows for the forward's exchange (cached:
+        the plan is static): the blocks each rank's rows read, or with every_block all of
+        every rank's blocks (what an all-gather moves; for dense layouts)."""
         _check_rank(rank, self.world_size)
-        if rank not in self._exchanges:
-            self._exchanges[rank] = self._exchange(rank)
-        return self._exchanges[rank]
+        key = (rank, every_block)
+        if key not in self._exchanges:
+            self._exchanges[key] = self._exchange(rank, every_block)
+        return self._exchanges[key]
 
-    def _exchange(self, rank: int) -> RankExchange:
+    def _exchange(self, rank: int, every_block: bool) -> RankExchange:
         owners = self.block_owners
         num_kv_blocks = owners.numel()
         device = owners.device
         owned = owners == rank  # [nk]
         own_blocks = owned.nonzero().flatten()
         own_slot = torch.cumsum(owned, 0) - 1  # [nk]: slot of an owned block
-        send = self._needed & owned[None, :]  # [w, nk]: what each rank needs from this one
+        wanted = torch.ones_like(self._needed) if every_block else self._needed  # [w, nk]
+        send = wanted & owned[None, :]  # [w, nk]: what each rank takes from this one
         send[rank] = False
         send_blocks = send.nonzero()[:, 1]  # grouped by destination, ascending within
-        receive = self._needed[rank] & ~owned  # [nk]
+        receive = wanted[rank] & ~owned  # [nk]
         # Received slots: by source rank, ascending within a source (the all-to-all's order).
         by_source = owners * num_kv_blocks + torch.arange(num_kv_blocks, device=device)
         recv_blocks = receive.nonzero().flatten()

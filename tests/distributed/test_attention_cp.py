@@ -51,6 +51,14 @@ CASES = {
         torch.float64,
         "torch",
     ),
+    "causal allgather": (
+        lambda: patterns.causal(SEQ_LEN, block_size=32),
+        dict(causal=True, collective="allgather"),
+        "headtail",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
     "bigbird auto": (
         lambda: patterns.bigbird(SEQ_LEN, 40, 32, 1, seed=3, block_size=32),
         {},
@@ -142,6 +150,7 @@ def _documents():
 def _check_case(name, rank, world_size):
     build, options, balance, (heads_q, heads_kv), dtype, backend = CASES[name]
     options = dict(options)
+    collective = options.pop("collective", "all_to_all")
     layout = build()
     batch = 2 if backend == "torch" else 1  # the interpreter is slow
     if options.pop("documents", False):
@@ -170,7 +179,7 @@ def _check_case(name, rank, world_size):
     shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(11)
     out_cp, lse_cp = block_sparse_attn_cp(
-        *shards, plan, return_lse=True, backend=backend, **options
+        *shards, plan, return_lse=True, backend=backend, collective=collective, **options
     )
     out_cp.backward(grad_out[:, index])
     failures = []
