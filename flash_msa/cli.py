@@ -267,6 +267,7 @@ NIAH_INCOMPLETE = 75  # EX_TEMPFAIL: --max-minutes ran out; the same command res
 
 def niah(args: argparse.Namespace) -> int:
     """Train and evaluate the needle benchmark's variants; see flash_msa.niah."""
+    import os
     import pathlib
 
     from flash_msa.niah.suite import TINY, build_configs, run_suite
@@ -277,12 +278,14 @@ def niah(args: argparse.Namespace) -> int:
         steps=args.steps, train_len=args.train_len, batch=args.batch, seed=args.seed,
         context_lens=args.context_lens, depths=args.depths, samples=args.samples,
     )  # fmt: skip
-    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    default = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    device = torch.device(args.device or default)
     done = run_suite(
         [variant.strip() for variant in args.variants.split(",")], model_config=model,
-        needles=needles, train_config=train, grid=grid, device=torch.device(device),
+        needles=needles, train_config=train, grid=grid, device=device,
         checkpoint_dir=pathlib.Path(args.checkpoint_dir), out_dir=pathlib.Path(args.out),
         max_minutes=args.max_minutes, timing_repeats=TINY["timing_repeats"] if args.tiny else 5,
+        data_workers=min(4, os.cpu_count() or 1) if device.type == "cuda" else 0,
     )  # fmt: skip
     return 0 if done else NIAH_INCOMPLETE
 

@@ -12,13 +12,15 @@ On a GPU (an H200: about 3-5 minutes of training per variant at the defaults, 4 
 d 512, 8 query / 2 kv heads, 5000 steps of 32K tokens at lengths 512-32K, then a minute
 or less of timing and evaluation at 2K-32K)::
 
-    flash-msa niah --out benchmarks/results/h200 --max-minutes 9
+    flash-msa niah --out benchmarks/results/h200 --max-minutes 7
 
---max-minutes saves a checkpoint and stops when the budget is spent (exit status 75);
+--max-minutes saves a checkpoint and stops training when the budget is spent (exit status
+75; the timing and evaluation of a variant whose training finished still follow, so leave a
+minute or two of headroom under a hard limit);
 the same command resumes from niah-checkpoints/ (--checkpoint-dir), skipping the variants
 already trained and evaluated, until all four are done and the report is written (exit 0)::
 
-    until flash-msa niah --out benchmarks/results/h200 --max-minutes 9; do
+    until flash-msa niah --out benchmarks/results/h200 --max-minutes 7; do
         [ $? -eq 75 ] || break
     done
 

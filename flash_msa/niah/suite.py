@@ -9,6 +9,7 @@ reuse while the settings match.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import pathlib
 import time
@@ -75,10 +76,16 @@ def build_configs(
 
 
 def check_device(variants: list[str], device: torch.device) -> None:
-    """Refuse, before any training, variants whose kernels cannot run on device."""
+    """Refuse, before any training, unknown variants, variants whose kernels cannot run on
+    device, and a missing matplotlib (the report needs it)."""
     unknown = [variant for variant in variants if variant not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}: choose among {', '.join(VARIANTS)}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError(
+            "flash-msa niah draws niah.png with matplotlib: pip install 'flash-msa[plot]'",
+            name="matplotlib",
+        )
     needs_triton = [variant for variant in variants if variant in TRITON_VARIANTS]
     if needs_triton and not _env.can_run_triton(device):
         raise ValueError(
@@ -109,6 +116,7 @@ def run_suite(
     out_dir: pathlib.Path,
     max_minutes: float | None = None,
     timing_repeats: int = 5,
+    data_workers: int = 0,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> bool:
@@ -125,6 +133,7 @@ def run_suite(
             spent (a later call with the same arguments resumes), checked after each step,
             so a call trains at least one step; None: no limit.
         timing_repeats: timed training steps per variant at train_len.
+        data_workers: processes building training batches ahead of the steps.
         progress: tqdm bars.
         log: where the messages go.
 
@@ -161,7 +170,7 @@ def run_suite(
         )
         state = train(
             model, needles, train_config, device=device, checkpoint_path=checkpoint_path,
-            deadline=deadline, progress=progress,
+            deadline=deadline, progress=progress, data_workers=data_workers,
         )  # fmt: skip
         if state.step < train_config.steps:
             log(

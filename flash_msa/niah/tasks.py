@@ -18,8 +18,8 @@ token).
 
 Evaluation samples (TASKS) hold a few needles and one query at the end. Training mixes
 them with recall samples, which hold one key per `recall_spacing` tokens, each queried at a
-random point after its needles: many answers per sequence at every distance, so that a
-small model learns retrieval in minutes instead of from one answer per 32K tokens.
+random point after its needles: many answers per sequence at every distance, where the
+evaluation tasks give one per sequence, however long.
 """
 
 from __future__ import annotations
@@ -130,12 +130,13 @@ class NeedleConfig:
     def needle_len(self) -> int:
         return self.key_len + self.value_len + 2
 
-    def query_len(self, values: int) -> int:
-        """Tokens of a query and its answer for a key of `values` needles."""
+    def query_len(self, values):
+        """Tokens of a query and its answer for a key of `values` needles (an int or an
+        int array)."""
         return 1 + self.key_len + values * (self.value_len + 1) - 1
 
-    def key_tokens(self, values: int) -> int:
-        """Tokens of a key's needles and its query."""
+    def key_tokens(self, values):
+        """Tokens of a key's needles and its query (an int or an int array)."""
         return values * self.needle_len + self.query_len(values)
 
     def chance(self, task: str) -> float:
@@ -229,7 +230,7 @@ def _assemble(
     query_offsets [n]: where each key is queried (-1: it is not). An answer lists its key's
     values in order of appearance.
     """
-    key_count, slots = needle_offsets.shape
+    slots = needle_offsets.shape[1]
     needle_key, needle_slot = np.nonzero(np.arange(slots) < counts[:, None])  # key-major
     query_key = np.flatnonzero(query_offsets >= 0)
     offset = np.concatenate([needle_offsets[needle_key, needle_slot], query_offsets[query_key]])
@@ -270,7 +271,7 @@ def _assemble(
     tokens[filler], repeated = _haystack(rng, len(filler), config)
     # A repeated token is predictable where the token before it is its phrase's too.
     repeated[1:] &= filler[1:] - 1 == filler[:-1]
-    repeated[0] = False
+    repeated[:1] = False
     answer_positions = np.concatenate(answer_positions)
     ordered = np.argsort(answer_positions, kind="stable")
     return Sample(
@@ -336,14 +337,14 @@ def make_recall_sample(length: int, config: NeedleConfig, rng: np.random.Generat
     """
     count = min(max(1, length // config.recall_spacing), config.num_keys**config.key_len)
     counts = np.where(rng.random(count) < config.recall_multivalue, config.multivalue_values, 1)
-    if 1 + sum(config.key_tokens(int(values)) for values in counts) > length:
+    if 1 + config.key_tokens(counts).sum() > length:
         raise ValueError(
             f"length {length} cannot hold a recall sample: recall_spacing "
             f"{config.recall_spacing} is too small for it"
         )
     keys = _distinct_rows(rng, count, config.key_len, config.num_keys, config.key_start)
     values = _values(rng, counts, config)
-    filler_len = length - 1 - sum(config.key_tokens(int(values)) for values in counts)
+    filler_len = length - 1 - int(config.key_tokens(counts).sum())
     offsets = rng.integers(0, filler_len + 1, size=(count, config.multivalue_values))
     last = np.where(np.arange(offsets.shape[1]) < counts[:, None], offsets, 0).max(axis=1)
     queries = last + (rng.random(count) * (filler_len + 1 - last)).astype(np.int64)

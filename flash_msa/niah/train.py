@@ -4,10 +4,11 @@ Every step holds batch * train_len tokens: samples of one length, drawn from the
 two between min_len and train_len, the longest allowed growing over the first `curriculum`
 fraction of the steps (short contexts train fast; long ones teach the attention to stay sharp
 over 32K keys). Lengths, tasks and tokens are functions of (seed, step), so every variant
-trains on the same data. The loss is the cross-entropy of the answer tokens, plus
-lm_weight * that of the haystack's repeated phrase tokens (a language-model loss where the
-haystack can be predicted), plus kl_weight * the KL loss for msa, which attends densely for
-the first msa_warmup fraction.
+trains on the same data. The loss is the mean cross-entropy over the answer tokens and the
+haystack's repeated phrase tokens, each of these weighing lm_weight (a language-model loss
+where the haystack can be predicted: it teaches copying from context, which the answers
+need, long before the few answer tokens alone would), plus kl_weight * the KL loss for msa,
+which attends densely for the first msa_warmup fraction.
 AdamW, linear warm-up then cosine decay to a tenth, bf16 autocast on a GPU.
 
 A checkpoint (model, optimizer, step, RNG states, loss history, time and tokens trained)
@@ -46,7 +47,7 @@ class TrainConfig:
             every step trains batch * train_len tokens.
         lr, lr_warmup, weight_decay, grad_clip: AdamW's peak learning rate, its linear
             warm-up in steps, decoupled weight decay (matrices only), global norm clip.
-        lm_weight: weight of the loss on the haystack's repeated phrase tokens.
+        lm_weight: weight of a repeated haystack token against an answer token's 1.
         kl_weight: weight of msa's KL loss in the loss.
         msa_warmup: fraction of the steps msa attends densely.
         curriculum: fraction of the steps over which the longest length grows to train_len.
@@ -62,7 +63,7 @@ class TrainConfig:
     lr_warmup: int = 200
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    lm_weight: float = 0.5
+    lm_weight: float = 0.25
     kl_weight: float = 0.1
     msa_warmup: float = 0.5
     curriculum: float = 0.4
@@ -124,6 +125,21 @@ class TrainState:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.train_seconds if self.train_seconds else 0.0
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """The training batch of each step, indexed by the step (for a DataLoader's workers)."""
+
+    def __init__(self, needles: NeedleConfig, config: TrainConfig):
+        self.needles, self.config = needles, config
+
+    def __len__(self) -> int:
+        return self.config.steps
+
+    def __getitem__(self, step: int):
+        length = self.config.length_at(step)
+        batch_size = self.config.batch_size_at(length)
+        return training_batch(step, length, batch_size, self.needles, self.config.seed)
 
 
 def step_flops(config: ModelConfig, variant: str, length: int, tokens: int) -> float:
@@ -216,13 +232,11 @@ def _losses(model: NeedleLM, batch, warmup: bool, config: TrainConfig, device: t
     positions = torch.cat([batch.positions, batch.repeat_positions])
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         logits, kl_loss = model(batch.tokens, positions, warmup=warmup)
-    answers = len(batch.positions)
-    task_loss = F.cross_entropy(logits[:answers], batch.targets)
-    loss = task_loss
-    repeat_loss = torch.zeros((), device=device)
-    if len(batch.repeat_positions):
-        repeat_loss = F.cross_entropy(logits[answers:], batch.repeat_targets)
-        loss = loss + config.lm_weight * repeat_loss
+    answers, repeats = len(batch.positions), len(batch.repeat_positions)
+    answer_sum = F.cross_entropy(logits[:answers], batch.targets, reduction="sum")
+    repeat_sum = F.cross_entropy(logits[answers:], batch.repeat_targets, reduction="sum")
+    loss = (answer_sum + config.lm_weight * repeat_sum) / (answers + config.lm_weight * repeats)
+    task_loss, repeat_loss = answer_sum / answers, repeat_sum / max(repeats, 1)
     if kl_loss is not None:
         loss = loss + config.kl_weight * kl_loss
     return loss, task_loss, repeat_loss, kl_loss
@@ -242,6 +256,7 @@ def train(
     checkpoint_path: pathlib.Path,
     deadline: float | None = None,
     progress: bool = True,
+    data_workers: int = 0,
 ) -> TrainState:
     """Train model (already on device), resuming from checkpoint_path if it exists.
 
@@ -255,6 +270,8 @@ def train(
             each step, so a call makes at least one step); None: train to the end.
         progress: show a tqdm bar over the schedule's model FLOPs, so that its rate is
             FLOP/s and its ETA allows for the longer steps ahead.
+        data_workers: processes building the batches ahead of the steps (0: built in this
+            process, between steps).
 
     Returns:
         The TrainState reached; state.step < config.steps when the deadline stopped it.
@@ -279,16 +296,14 @@ def train(
         "{rate_fmt}{postfix}",
     )  # fmt: skip
 
-    def batch_at(step: int):
-        length = config.length_at(step)
-        return training_batch(step, length, config.batch_size_at(length), needles, config.seed).to(
-            device
-        )
-
-    batch = batch_at(state.step)
+    loader = torch.utils.data.DataLoader(
+        StepBatches(needles, config), batch_size=None, sampler=range(state.step, config.steps),
+        num_workers=data_workers, prefetch_factor=4 if data_workers else None,
+    )  # fmt: skip
     _synchronize(device)
     started = time.perf_counter()
-    while state.step < config.steps:
+    for batch in loader:
+        batch = batch.to(device)
         step, length = state.step, batch.tokens.shape[1]
         for group in optimizer.param_groups:
             group["lr"] = config.lr_at(step)
@@ -299,8 +314,6 @@ def train(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens = batch.tokens.numel()
-        if step + 1 < config.steps:
-            batch = batch_at(step + 1)  # built on the CPU while the GPU runs this step
         kl_value = float("nan") if kl_loss is None else kl_loss.item()
         # .item() waits for the step
         history = [step, length, task_loss.item(), kl_value, repeat_loss.item()]

@@ -68,6 +68,14 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     assert finished.step == 3 and finished.tokens == state.tokens  # nothing left to train
 
 
+def test_batches_built_by_worker_processes_train_the_same(tmp_path):
+    here = train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=tmp_path / "a.pt",
+                 progress=False)  # fmt: skip
+    workers = train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=tmp_path / "b.pt",
+                    progress=False, data_workers=2)  # fmt: skip
+    assert [h[:3] for h in workers.history] == [h[:3] for h in here.history]
+
+
 def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
     path = tmp_path / "dense.pt"
     train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, deadline=0.0,
