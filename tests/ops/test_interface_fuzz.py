@@ -590,7 +590,7 @@ def run(case: Case) -> None:
 
 # ---- the properties ------------------------------------------------------------------------
 @given(case=cases("dense", ("torch", "torch", "torch", "auto")))
-@fuzz_settings(300)
+@fuzz_settings(200)
 def test_dense_calls_torch_backend(case):
     run(case)
 
