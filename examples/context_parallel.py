@@ -1,7 +1,8 @@
 """Train a small MSA language model with its sequence sharded across processes.
 
     torchrun --nproc-per-node 2 examples/context_parallel.py            # GPUs: NCCL
-    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu
+    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu \
+        --seq-len 256 --steps 2                                          # CPUs: gloo, a minute
 
 Every rank holds the same model and the same batch; the plan shards the sequence (head-tail
 chunks), each rank embeds and runs its tokens, MSAAttention layers exchange what they need,
