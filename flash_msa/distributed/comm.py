@@ -131,7 +131,8 @@ def other_ranks_blocks(gathered: torch.Tensor, counts: list[int], rank: int) -> 
     """[sum of the other ranks' counts, ...]: all_gather_blocks' buffer without padding and
     without this rank's own blocks, by source rank (RankExchange's received order with
     every_block)."""
-    return torch.cat([gathered[t, :count] for t, count in enumerate(counts) if t != rank])
+    parts = [gathered[t, :count] for t, count in enumerate(counts) if t != rank]
+    return torch.cat(parts) if parts else gathered[rank, :0]
 
 
 class _GatherSequence(torch.autograd.Function):
