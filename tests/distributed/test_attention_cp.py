@@ -239,11 +239,9 @@ def _check_msa_case(name, rank, world_size):
 
 
 # Every world size runs every float64 case; the Triton interpreter's cases (minutes on two
-# cores) run in full on 2 ranks, one of each kind on 3 and 4.
+# cores) run in full on 2 ranks, and MSA with documents on 3.
 FLOAT64 = [name for name, case in CASES.items() if case[-1] == "torch"]
-CASES_OF_WORLD = {
-    2: [*CASES, *MSA_CASES], 3: [*FLOAT64, "triton dropout", "msa documents"], 4: [*FLOAT64, "msa"]
-}  # fmt: skip
+CASES_OF_WORLD = {2: [*CASES, *MSA_CASES], 3: [*FLOAT64, "msa documents"], 4: FLOAT64}
 
 
 def _expect_error(name, rank, function, match):

@@ -590,20 +590,20 @@ def run(case: Case) -> None:
 
 # ---- the properties ------------------------------------------------------------------------
 @given(case=cases("dense", ("torch", "torch", "torch", "auto")))
-@fuzz_settings(200)
+@fuzz_settings(120)
 def test_dense_calls_torch_backend(case):
     run(case)
 
 
 @needs_interpreter
 @given(case=cases("dense", ("triton",), valid=24))  # faults cost nothing: mostly valid
-@fuzz_settings(120)
+@fuzz_settings(80)
 def test_dense_calls_triton_backend(case):
     run(case)
 
 
 @needs_interpreter
 @given(case=cases("varlen", ("torch", "torch", "triton", "auto")))
-@fuzz_settings(120)
+@fuzz_settings(80)
 def test_varlen_calls(case):
     run(case)

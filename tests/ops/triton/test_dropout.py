@@ -43,14 +43,14 @@ def test_kernels_match_reference_given_the_mask(heads_q, heads_kv, seq_len, caus
 
 def test_mask_keep_rate_and_independence():
     p = 0.2
-    keep = dropout_mask(7, p, 2, 4, 256, 256, DEVICE).float()
+    keep = dropout_mask(7, p, 2, 2, 128, 256, DEVICE).float()
     rate, count = float(keep.mean()), keep.numel()
     assert abs(rate - (1 - p)) < 4 * math.sqrt(p * (1 - p) / count)
     per_head = keep.flatten(2).mean(-1)  # [B, H]: each near 1 - p
     assert torch.allclose(per_head, torch.full_like(per_head, 1 - p), atol=0.01)
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
-    assert torch.equal(keep, dropout_mask(7, p, 2, 4, 256, 256, DEVICE).float())
-    assert not torch.equal(keep, dropout_mask(8, p, 2, 4, 256, 256, DEVICE).float())
+    assert torch.equal(keep, dropout_mask(7, p, 2, 2, 128, 256, DEVICE).float())
+    assert not torch.equal(keep, dropout_mask(8, p, 2, 2, 128, 256, DEVICE).float())
 
 
 def test_interface_draws_its_seed_from_torch_generator():
