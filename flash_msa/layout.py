@@ -78,6 +78,7 @@ class BlockLayout:
         self.layout_batch = layout_batch
         self.layout_heads = layout_heads
         self._transposed: BlockLayout | None = None
+        self._transpose_entries: torch.Tensor | None = None
         self._heavy_rows_first: torch.Tensor | None = None
         self._versions = self._tensor_versions()
         if validate:
@@ -221,16 +222,30 @@ class BlockLayout:
         """int64 [nnz], ascending: (layout * num_q_blocks + row) * num_kv_blocks + col."""
         return self.entry_rows() * self.num_kv_blocks + self.col_indices.long()
 
+    def _transposed_keys(self) -> torch.Tensor:
+        """int64 [nnz]: the key of each entry in the transposed layout (see keys())."""
+        rows = self.entry_rows()
+        layout, row = rows // self.num_q_blocks, rows % self.num_q_blocks
+        return (layout * self.num_kv_blocks + self.col_indices.long()) * self.num_q_blocks + row
+
     def transpose(self) -> BlockLayout:
         """The CSC form, as a layout of kv-block rows listing the query blocks that use them."""
         if self._transposed is None:
-            rows = self.entry_rows()
-            layout, row = rows // self.num_q_blocks, rows % self.num_q_blocks
-            keys = (layout * self.num_kv_blocks + self.col_indices.long()) * self.num_q_blocks + row
-            transposed = BlockLayout.from_keys(keys.sort().values, **self._transposed_meta())
+            keys, self._transpose_entries = self._transposed_keys().sort()
+            transposed = BlockLayout.from_keys(keys, **self._transposed_meta())
             transposed._transposed = self
             self._transposed = transposed
         return self._transposed
+
+    def transpose_entries(self) -> torch.Tensor:
+        """int64 [nnz]: for each entry of transpose().col_indices, the entry of this layout's
+        col_indices naming the same (query block, kv block) pair, cached beside the transpose.
+        Data of each pair aligned with col_indices (query masks) reads in the transposed
+        order as data[layout.transpose_entries()]."""
+        self.transpose()  # computes them with the transpose, unless that was attached
+        if self._transpose_entries is None:
+            self._transpose_entries = self._transposed_keys().argsort()  # keys are unique
+        return self._transpose_entries
 
     def attach_transpose(self, row_offsets: torch.Tensor, col_indices: torch.Tensor) -> BlockLayout:
         """Adopt an already computed CSC form (the tensors of a transpose() result)."""

@@ -2,10 +2,11 @@
 autograd (torch.func's transforms included) reaches the chosen backend's backward.
 
 The layout travels as its CSR and CSC tensors plus its sizes, block positions as their two
-tensors plus the global length; the backend by name, resolved through the registry inside
-the op. This is the one place where the tensors the kernels read are made kernel-ready:
-unit stride along D for q, k, v, out and dout (other strides are honoured), contiguous
-layout and document tensors, int32 contiguous block positions.
+tensors plus the global length, query masks in the order of both forms (the CSC one gathered
+through the layout's cached transpose_entries); the backend by name, resolved through the
+registry inside the op. This is the one place where the tensors the kernels read are made
+kernel-ready: unit stride along D for q, k, v, out and dout (other strides are honoured),
+contiguous layout, document and query-mask tensors, int32 contiguous block positions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops import registry
+from flash_msa.ops.registry import QueryMasks
 
 
 def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
@@ -21,13 +23,16 @@ def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _options(causal, window_left, window_right, softmax_scale, document_ids, q_block_positions,
-             kv_block_positions, position_seq_len, dropout_p, seed):  # fmt: skip
+             kv_block_positions, position_seq_len, query_masks, t_query_masks, dropout_p,
+             seed):  # fmt: skip
     positions = None if q_block_positions is None else BlockPositions(
         q_block_positions, kv_block_positions, position_seq_len
     )  # fmt: skip
+    masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     return dict(
         causal=causal, window_size=(window_left, window_right), softmax_scale=softmax_scale,
         document_ids=document_ids, dropout_p=dropout_p, dropout_seed=seed, positions=positions,
+        query_masks=masks,
     )  # fmt: skip
 
 
@@ -44,6 +49,8 @@ def _forward(
     q_block_positions: torch.Tensor | None,
     kv_block_positions: torch.Tensor | None,
     position_seq_len: int,
+    query_masks: torch.Tensor | None,
+    t_query_masks: torch.Tensor | None,
     sizes: list[int],
     causal: bool,
     window_left: int,
@@ -57,8 +64,8 @@ def _forward(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
     options = _options(causal, window_left, window_right, softmax_scale, document_ids,
-                       q_block_positions, kv_block_positions, position_seq_len, dropout_p,
-                       dropout_seed)  # fmt: skip
+                       q_block_positions, kv_block_positions, position_seq_len, query_masks,
+                       t_query_masks, dropout_p, dropout_seed)  # fmt: skip
     return registry.get(backend).forward(q, k, v, layout, **options)
 
 
@@ -85,6 +92,8 @@ def _backward(
     q_block_positions: torch.Tensor | None,
     kv_block_positions: torch.Tensor | None,
     position_seq_len: int,
+    query_masks: torch.Tensor | None,
+    t_query_masks: torch.Tensor | None,
     sizes: list[int],
     causal: bool,
     window_left: int,
@@ -98,8 +107,8 @@ def _backward(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
     options = _options(causal, window_left, window_right, softmax_scale, document_ids,
-                       q_block_positions, kv_block_positions, position_seq_len, dropout_p,
-                       dropout_seed)  # fmt: skip
+                       q_block_positions, kv_block_positions, position_seq_len, query_masks,
+                       t_query_masks, dropout_p, dropout_seed)  # fmt: skip
     grad_out = _unit_last_stride(grad_out)
     return registry.get(backend).backward(grad_out, q, k, v, out, lse, layout, **options)
 
@@ -111,12 +120,13 @@ def _(grad_out, q, k, v, *rest):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-     q_block_positions, kv_block_positions, position_seq_len, sizes, causal, window_left,
-     window_right, softmax_scale, dropout_p, dropout_seed, backend) = inputs  # fmt: skip
+     q_block_positions, kv_block_positions, position_seq_len, query_masks, t_query_masks, sizes,
+     causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
+     backend) = inputs  # fmt: skip
     out, lse = output
     ctx.save_for_backward(
         q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-        q_block_positions, kv_block_positions,
+        q_block_positions, kv_block_positions, query_masks, t_query_masks,
     )  # fmt: skip
     ctx.options = dict(
         position_seq_len=position_seq_len, sizes=sizes, causal=causal, window_left=window_left,
@@ -128,14 +138,15 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd_backward(ctx, grad_out, _grad_lse):
     (q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-     q_block_positions, kv_block_positions) = ctx.saved_tensors  # fmt: skip
+     q_block_positions, kv_block_positions, query_masks,
+     t_query_masks) = ctx.saved_tensors  # fmt: skip
     dq, dk, dv = _backward(
         grad_out, q, k, v, out, lse, row_offsets=row_offsets, col_indices=col_indices,
         t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, document_ids=document_ids,
         q_block_positions=q_block_positions, kv_block_positions=kv_block_positions,
-        **ctx.options,
+        query_masks=query_masks, t_query_masks=t_query_masks, **ctx.options,
     )  # fmt: skip
-    return (dq, dk, dv) + (None,) * 16
+    return (dq, dk, dv) + (None,) * 18
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -147,16 +158,21 @@ def _fold(tensor: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
     return tensor.flatten(0, 1)
 
 
-def _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes):
-    """The layout of `size` batches stacked into one: a shared layout (layout_batch 1) as is,
-    per-batch-element ones repeated (offsets shift by nnz per copy)."""
+def _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes,
+                    query_masks, t_query_masks):  # fmt: skip
+    """The layout (and query masks) of `size` batches stacked into one: a shared layout
+    (layout_batch 1) as is, per-batch-element ones repeated (offsets shift by nnz per copy).
+    Returns the op's layout arguments, then query_masks, t_query_masks, then sizes."""
     if sizes[4] == 1:
-        return row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
+        return row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, \
+            t_query_masks, sizes  # fmt: skip
     shift = torch.arange(size, device=row_offsets.device, dtype=row_offsets.dtype)
     shift = shift[:, None, None] * col_indices.numel()
+    masks = (None, None) if query_masks is None else (query_masks.repeat(size),
+                                                      t_query_masks.repeat(size))  # fmt: skip
     return (
         (row_offsets + shift).flatten(0, 1), col_indices.repeat(size),
-        (t_row_offsets + shift).flatten(0, 1), t_col_indices.repeat(size),
+        (t_row_offsets + shift).flatten(0, 1), t_col_indices.repeat(size), *masks,
         [*sizes[:4], sizes[4] * size, sizes[5]],
     )  # fmt: skip
 
@@ -164,42 +180,44 @@ def _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices
 def _refuse_batched_layout(in_dims) -> None:
     if any(dim is not None for dim in in_dims):
         raise ValueError(
-            "vmap over a layout's tensors or block positions is not supported: vmap over q, k, "
-            "v (and document ids) with one BlockLayout and one BlockPositions, or stack the "
-            "layouts (patterns.stack)"
+            "vmap over a layout's tensors, block positions or query masks is not supported: "
+            "vmap over q, k, v (and document ids) with one BlockLayout, one BlockPositions and "
+            "one query_masks tensor, or stack the layouts (patterns.stack)"
         )
 
 
 @_forward.register_vmap
 def _(info, in_dims, q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices,
-      document_ids, q_block_positions, kv_block_positions, position_seq_len, sizes,
-      *options):  # fmt: skip
+      document_ids, q_block_positions, kv_block_positions, position_seq_len, query_masks,
+      t_query_masks, sizes, *options):  # fmt: skip
     """vmap folds its dimension into the batch: one launch, not one per vmapped element
     (block positions, the same for every batch element, pass through unchanged)."""
-    _refuse_batched_layout(in_dims[3:7] + in_dims[8:10])
+    _refuse_batched_layout(in_dims[3:7] + in_dims[8:10] + in_dims[11:13])
     size = info.batch_size
     q, k, v = (_fold(t, dim, size) for t, dim in zip((q, k, v), in_dims, strict=False))
     if document_ids is not None:
         document_ids = _fold(document_ids, in_dims[7], size)
-    layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes,
+                             query_masks, t_query_masks)  # fmt: skip
     out, lse = _forward(q, k, v, *layout[:4], document_ids, q_block_positions,
-                        kv_block_positions, position_seq_len, layout[4], *options)  # fmt: skip
+                        kv_block_positions, position_seq_len, *layout[4:], *options)  # fmt: skip
     return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
 
 
 @_backward.register_vmap
 def _(info, in_dims, grad_out, q, k, v, out, lse, row_offsets, col_indices, t_row_offsets,
       t_col_indices, document_ids, q_block_positions, kv_block_positions, position_seq_len,
-      sizes, *options):  # fmt: skip
-    _refuse_batched_layout(in_dims[6:10] + in_dims[11:13])
+      query_masks, t_query_masks, sizes, *options):  # fmt: skip
+    _refuse_batched_layout(in_dims[6:10] + in_dims[11:13] + in_dims[14:16])
     size = info.batch_size
     tensors = [_fold(t, dim, size) for t, dim in zip((grad_out, q, k, v, out, lse), in_dims,
                                                      strict=False)]  # fmt: skip
     if document_ids is not None:
         document_ids = _fold(document_ids, in_dims[10], size)
-    layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes)
+    layout = _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices, sizes,
+                             query_masks, t_query_masks)  # fmt: skip
     grads = _backward(*tensors, *layout[:4], document_ids, q_block_positions,
-                      kv_block_positions, position_seq_len, layout[4], *options)  # fmt: skip
+                      kv_block_positions, position_seq_len, *layout[4:], *options)  # fmt: skip
     return tuple(grad.unflatten(0, (size, -1)) for grad in grads), (0, 0, 0)
 
 
@@ -213,30 +231,36 @@ class _SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-                q_block_positions, kv_block_positions, position_seq_len, sizes, causal,
-                window_left, window_right, softmax_scale, dropout_p, dropout_seed,
-                backend):  # fmt: skip
+                q_block_positions, kv_block_positions, position_seq_len, query_masks,
+                t_query_masks, sizes, causal, window_left, window_right, softmax_scale,
+                dropout_p, dropout_seed, backend):  # fmt: skip
         return _forward(
             q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
-            q_block_positions, kv_block_positions, position_seq_len, sizes, causal, window_left,
-            window_right, softmax_scale, dropout_p, dropout_seed, backend,
+            q_block_positions, kv_block_positions, position_seq_len, query_masks, t_query_masks,
+            sizes, causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
+            backend,
         )  # fmt: skip
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(torch.autograd.function.once_differentiable(_autograd_backward))
 
 
-def _side_tensors(document_ids, positions):
-    """Kernel-ready document ids and block positions: int32 contiguous (or None), and the
-    positions' sequence length (0, never read, without them)."""
+def _side_tensors(document_ids, positions, query_masks, layout):
+    """Kernel-ready document ids and block positions: int32 contiguous (or None), the
+    positions' sequence length (0, never read, without them), and the query masks in the
+    order of the layout's CSR and CSC forms (or None, None)."""
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
+    t_query_masks = None
+    if query_masks is not None:
+        query_masks = query_masks.contiguous()
+        t_query_masks = query_masks[layout.transpose_entries()]
     if positions is None:
-        return document_ids, None, None, 0
+        return document_ids, None, None, 0, query_masks, t_query_masks
     q_blocks, kv_blocks = (
         t.to(torch.int32).contiguous() for t in (positions.q_blocks, positions.kv_blocks)
     )
-    return document_ids, q_blocks, kv_blocks, positions.seq_len
+    return document_ids, q_blocks, kv_blocks, positions.seq_len, query_masks, t_query_masks
 
 
 def sparse_attention(
@@ -253,13 +277,15 @@ def sparse_attention(
     dropout_p: float,
     dropout_seed: int,
     positions: BlockPositions | None = None,
+    query_masks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of validated inputs on a registered backend, differentiable in q, k, v;
-    positions place the layout's blocks in a longer sequence (BlockPositions)."""
+    positions place the layout's blocks in a longer sequence (BlockPositions); query_masks,
+    int64 [layout.nnz] aligned with layout.col_indices, keep key j of an active block for
+    query i where bit i % q_block of the pair's word is set."""
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    document_ids, q_block_positions, kv_block_positions, position_seq_len = _side_tensors(
-        document_ids, positions
-    )
+    (document_ids, q_block_positions, kv_block_positions, position_seq_len, query_masks,
+     t_query_masks) = _side_tensors(document_ids, positions, query_masks, layout)  # fmt: skip
     # Under torch.func's transforms through the Function they accept; else the op itself
     # (torch.compile warns on tracing any autograd.Function).
     functorch = not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
@@ -269,8 +295,8 @@ def sparse_attention(
     return attention(
         q, k, v, tensors["row_offsets"], tensors["col_indices"], tensors["t_row_offsets"],
         tensors["t_col_indices"], document_ids, q_block_positions, kv_block_positions,
-        position_seq_len, tensors["sizes"], causal, window_size[0], window_size[1],
-        softmax_scale, dropout_p, dropout_seed, backend,
+        position_seq_len, query_masks, t_query_masks, tensors["sizes"], causal, window_size[0],
+        window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
     )  # fmt: skip
 
 
@@ -291,19 +317,19 @@ def sparse_attention_backward(
     dropout_p: float,
     dropout_seed: int,
     positions: BlockPositions | None = None,
+    query_masks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of sparse_attention's inputs for grad_out, given out and lse. out and
     lse may be those of a softmax over more keys than this call's (the merge of several
     calls over disjoint key sets): the gradients are then those of this call's keys, as in
     FlashAttention's backward, and dq adds up over the calls."""
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
-    document_ids, q_block_positions, kv_block_positions, position_seq_len = _side_tensors(
-        document_ids, positions
-    )
+    (document_ids, q_block_positions, kv_block_positions, position_seq_len, query_masks,
+     t_query_masks) = _side_tensors(document_ids, positions, query_masks, layout)  # fmt: skip
     tensors = layout.op_arguments()
     return _backward(
         grad_out, q, k, v, out, lse, tensors["row_offsets"], tensors["col_indices"],
         tensors["t_row_offsets"], tensors["t_col_indices"], document_ids, q_block_positions,
-        kv_block_positions, position_seq_len, tensors["sizes"], causal, window_size[0],
-        window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
+        kv_block_positions, position_seq_len, query_masks, t_query_masks, tensors["sizes"],
+        causal, window_size[0], window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
     )  # fmt: skip

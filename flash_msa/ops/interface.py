@@ -16,6 +16,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float6
 # Larger scales are refused: scale * q.k overflowed the fp32 logits into NaN (1e38 did at
 # inputs of unit scale). Up to it, no fp16 input overflows them (|q.k| <= 256 * 65504^2).
 MAX_SOFTMAX_SCALE = 1e4
+MASK_BITS = 64  # query masks: one int64 word per active pair, one bit per query row
 
 
 def _is_int(value) -> bool:
@@ -166,6 +167,40 @@ def _check_positions(positions, layout: BlockLayout, q: torch.Tensor) -> None:
         )
 
 
+def check_query_masks(query_masks, layout: BlockLayout, device: torch.device) -> None:
+    """Per-token selections over a layout: int64 [layout.nnz], contiguous, on `device`, one
+    word per active pair in the order of layout.col_indices, bit r set when query row r of
+    the pair's query block reads its kv block; query blocks of at most 64 rows."""
+    if not isinstance(query_masks, torch.Tensor):
+        raise TypeError(
+            f"query_masks must be a torch.Tensor (int64 [layout.nnz]), got "
+            f"{type(query_masks).__name__}"
+        )
+    if query_masks.dtype != torch.int64:
+        raise TypeError(
+            f"query_masks must be int64 (one 64-bit word of query-row bits per active block), "
+            f"got {query_masks.dtype}; convert with .long()"
+        )
+    if layout.q_block > MASK_BITS:
+        raise ValueError(
+            f"query_masks need q_block <= {MASK_BITS} (one 64-bit word per (query block, kv "
+            f"block) pair holds a bit per query row), got q_block={layout.q_block}; build the "
+            "layout with q_block 16, 32 or 64"
+        )
+    if tuple(query_masks.shape) != (layout.nnz,):
+        raise ValueError(
+            f"query_masks must have shape [layout.nnz] = [{layout.nnz}] (one word per entry of "
+            f"layout.col_indices, in its order), got {list(query_masks.shape)}"
+        )
+    if query_masks.device != device:
+        raise ValueError(f"query_masks is on {query_masks.device} but q on {device}; move it there")
+    if not query_masks.is_contiguous():
+        raise ValueError(
+            f"query_masks must be contiguous, got stride {query_masks.stride()}; pass "
+            "query_masks.contiguous()"
+        )
+
+
 def check_softmax_scale(name: str, scale) -> None:
     """A softmax scale is None (1 / sqrt(D)) or a positive float up to MAX_SOFTMAX_SCALE."""
     real = isinstance(scale, (int, float)) and not isinstance(scale, bool)
@@ -219,7 +254,7 @@ def _check_documents(document_ids, q, k, positions) -> None:
 
 def _attention(
     q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
-    document_ids, positions,
+    document_ids, positions, query_masks,
 ):  # fmt: skip
     """Dispatch of validated inputs through the registry: (out, lse)."""
     call = registry.AttentionCall(
@@ -228,6 +263,7 @@ def _attention(
         deterministic=deterministic, element_masks=causal or max(window_size) >= 0,
         seq_len_q=q.shape[1], seq_len_kv=k.shape[1], batch=q.shape[0], heads_q=q.shape[2],
         heads_kv=k.shape[2], layout_heads=layout.layout_heads, positions=positions is not None,
+        query_masks=query_masks is not None,
     )  # fmt: skip
     chosen = registry.select(call, backend)
     # A fresh Philox seed per call from PyTorch's default generator (torch.manual_seed).
@@ -239,7 +275,7 @@ def _attention(
     return sparse_attention(
         q, k, v, layout, backend=chosen.name, causal=causal, window_size=window_size,
         softmax_scale=scale, document_ids=document_ids, dropout_p=float(dropout_p),
-        dropout_seed=seed, positions=positions,
+        dropout_seed=seed, positions=positions, query_masks=query_masks,
     )  # fmt: skip
 
 
@@ -258,10 +294,12 @@ def block_sparse_attn_func(
     deterministic: bool = False,
     document_ids: torch.Tensor | None = None,
     positions: BlockPositions | None = None,
+    query_masks: torch.Tensor | None = None,
 ):
     """Attention over the blocks `layout` marks active.
 
-    Query i sees key j when their blocks are active and the element masks allow it.
+    Query i sees key j when their blocks are active, the element masks allow it and, with
+    query_masks, i's own selection holds j's block.
 
     Args:
         q: [B, S_q, H_q, D]; k, v: [B, S_kv, H_kv, D] with H_q a multiple of H_kv (GQA).
@@ -282,6 +320,11 @@ def block_sparse_attn_func(
             parallelism): q holds local query blocks, k and v a buffer of whole kv blocks
             (slots) the layout's columns name; masks, document_ids [B, positions.seq_len] and
             dropout see global positions, so each row equals the whole-sequence call's.
+        query_masks: per-token selections (MSA with one set of kv blocks per query token):
+            int64 [layout.nnz], contiguous, one word per entry of layout.col_indices (same
+            flat order), bit r set when query row r of that entry's query block (token
+            q_blk * q_block + r of the layout's rows) reads its kv block; needs q_block <= 64.
+            Applied on top of the element masks; a row no bit selects sees nothing.
 
     Returns:
         out [B, S_q, H_q, D] (zeros where a query sees nothing) and, with return_lse,
@@ -299,9 +342,11 @@ def block_sparse_attn_func(
         _check_positions(positions, layout, q)
     if document_ids is not None:
         _check_documents(document_ids, q, k, positions)
+    if query_masks is not None:
+        check_query_masks(query_masks, layout, q.device)
     out, lse = _attention(
         q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
-        document_ids, positions,
+        document_ids, positions, query_masks,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -322,6 +367,7 @@ def block_sparse_attn_varlen_func(
     backend: str = "auto",
     deterministic: bool = False,
     positions: BlockPositions | None = None,
+    query_masks: torch.Tensor | None = None,
 ):
     """Attention over documents packed back to back, without padding.
 
@@ -337,6 +383,7 @@ def block_sparse_attn_varlen_func(
             as in block_sparse_attn_func.
         positions: as in block_sparse_attn_func: q holds local query blocks of the packed
             tokens, k and v a buffer of kv blocks; cu_seqlens then ends at positions.seq_len.
+        query_masks: as in block_sparse_attn_func, over the layout's packed rows.
 
     Returns:
         out [T, H_q, D] and, with return_lse, lse [H_q, T] (fp32, fp64 for float64 inputs).
@@ -362,8 +409,10 @@ def block_sparse_attn_varlen_func(
         _check_positions(positions, layout, q)
         check_cu_seqlens(cu_seqlens, total_tokens=positions.seq_len, max_seqlen=max_seqlen,
                          device=q.device)  # fmt: skip
+    if query_masks is not None:
+        check_query_masks(query_masks, layout, q.device)
     out, lse = _attention(
         q, k, v, layout, causal, window_size, softmax_scale, dropout_p, backend, deterministic,
-        document_ids_of(cu_seqlens)[None], positions,
+        document_ids_of(cu_seqlens)[None], positions, query_masks,
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]

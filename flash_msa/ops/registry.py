@@ -1,11 +1,11 @@
 """The attention backends: what each supports, and which one takes a call.
 
 A backend declares the calls it can run (devices, compute capability, dtypes, head dims,
-block sizes, dropout, documents, a deterministic backward) and its forward and backward
-entry points. block_sparse_attn_func validates its inputs once, describes them as an
-AttentionCall and asks `select`: a named backend runs if it supports the call, "auto"
-takes the fastest one that does, and a call none supports raises one ValueError that
-says, per backend, why it refused.
+block sizes, dropout, documents, per-token query masks, a deterministic backward) and its
+forward and backward entry points. block_sparse_attn_func validates its inputs once,
+describes them as an AttentionCall and asks `select`: a named backend runs if it supports
+the call, "auto" takes the fastest one that does, and a call none supports raises one
+ValueError that says, per backend, why it refused.
 
 Adding a backend: a folder under ops/ holding its kernels and a Backend, and one
 `register` line in ops/__init__.py.
@@ -42,6 +42,16 @@ class AttentionCall:
     heads_kv: int
     layout_heads: int
     positions: bool = False  # BlockPositions: blocks of a longer sequence, masked globally
+    query_masks: bool = False  # per-token selections: a word of row bits per active block
+
+
+class QueryMasks(NamedTuple):
+    """Per-token selections as a backend receives them (query_masks=): one int64 word per
+    active (query block, kv block) pair, bit r set when row r of the query block reads the kv
+    block, in the order of each of the layout's two forms."""
+
+    csr: torch.Tensor  # int64 [nnz], aligned with layout.col_indices
+    csc: torch.Tensor  # int64 [nnz], aligned with layout.transpose().col_indices
 
 
 class Refusal(NamedTuple):
@@ -63,11 +73,13 @@ class Backend:
     """One implementation of the block-sparse op.
 
     forward(q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, dropout_p,
-    dropout_seed, positions) -> (out, lse: lse_dtype(q.dtype) [B, H_q, S_q]) and
+    dropout_seed, positions, query_masks) -> (out, lse: lse_dtype(q.dtype) [B, H_q, S_q]) and
     backward(grad_out, q, k, v, out, lse, layout, *,
     the same options) -> (dq, dk, dv) take validated, kernel-ready tensors (custom_op.py);
-    positions is a BlockPositions of int32 tensors or None. A backend that has no block
-    positions refuses calls with them in `check`.
+    positions is a BlockPositions of int32 tensors or None, query_masks a QueryMasks of
+    contiguous int64 tensors or None (query_masks=False: the backend has none and refuses
+    calls with them). A backend that has no block positions refuses calls with them in
+    `check`.
     `speed` ranks the backends "auto" chooses among on a device type (higher is faster;
     a device type it lacks is reachable by name only, e.g. Triton's CPU interpreter, which
     is for tests). `check` adds what the fields cannot say (None: no objection).
@@ -85,6 +97,7 @@ class Backend:
     min_capability: tuple[int, int] | None = None
     dropout: bool = True
     documents: bool = True
+    query_masks: bool = True
     deterministic: bool = True
     check: Callable[[AttentionCall], Refusal | None] = field(default=lambda call: None)
 
@@ -113,6 +126,8 @@ class Backend:
             return Refusal(f"{name} has no dropout")
         if call.documents and not self.documents:
             return Refusal(f"{name} has no document masks")
+        if call.query_masks and not self.query_masks:
+            return Refusal(f"{name} has no per-token query masks (query_masks=)")
         if call.deterministic and not self.deterministic:
             return Refusal(f"{name} has no bitwise deterministic backward")
         return self.check(call)

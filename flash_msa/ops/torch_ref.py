@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa.layout import BLOCK_SIZES, BlockLayout, BlockPositions
-from flash_msa.ops.registry import Backend, lse_dtype
+from flash_msa.ops.registry import Backend, QueryMasks, lse_dtype
 from flash_msa.reference import visible
 
 SCORE_BUDGET = 1 << 24  # score elements per chunk of query blocks (64 MiB in fp32)
@@ -85,7 +85,7 @@ def _global_positions(index: torch.Tensor, block: int, blocks: torch.Tensor | No
 
 def _row_attention(
     q, k, v, layout, index, rows, width, *, causal, window_size, scale, documents, dropout_p,
-    dropout_seed, batch_ids, head_ids, positions,
+    dropout_seed, batch_ids, head_ids, positions, query_masks,
 ):  # fmt: skip
     """Attention of query blocks `rows` (int64 [R]) of layout `index`, each padded to `width`
     kv blocks.
@@ -93,7 +93,8 @@ def _row_attention(
     q [b, S_q, h, D]; k, v [b, S_kv, h, D] (already one kv head per query head);
     documents: int [b, S] document ids (keys of another document are not seen) or None;
     batch_ids [b], head_ids [h]: the batch elements and query heads of q (dropout counters);
-    positions: the BlockPositions of q's blocks and k's slots, or None.
+    positions: the BlockPositions of q's blocks and k's slots, or None;
+    query_masks: int64 [nnz] words of query-row bits aligned with layout.col_indices, or None.
     Returns out [b, R * q_block, h, D] and lse [b, h, R * q_block] (padded tail included).
     """
     offsets = layout.row_offsets[index].long()
@@ -127,6 +128,11 @@ def _row_attention(
         k_rows, v_rows = (torch.where(k_ok[:, :, None, None], t, 0) for t in (k_rows, v_rows))
     scores = torch.einsum("brihd,brjhd->bhrij", q_rows, k_rows) * scale
     keep = k_ok[:, None, :] & visible(q_pos[:, :, None], k_pos[:, None, :], causal, window_size)
+    if query_masks is not None:  # bit r of a pair's word: row r of the q block reads it
+        words = torch.where(active, query_masks[entry], 0)  # [R, m]
+        within_q = torch.arange(layout.q_block, device=q.device)
+        bits = (words[:, None, :] >> within_q[None, :, None]) & 1  # [R, q_block, m]
+        keep = keep & bits.bool().repeat_interleave(layout.kv_block, 2)
     keep = keep[None]  # [1 or b, R, q_block, m * kv_block]
     if documents is not None:
         keep = keep & (documents[:, q_pos][..., None] == documents[:, k_pos][:, :, None, :])
@@ -157,13 +163,15 @@ def attention_forward(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     positions: BlockPositions | None = None,
+    query_masks: QueryMasks | None = None,
     score_budget: int = SCORE_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, S_q, H_q, D] and lse [B, H_q, S_q] (fp32; fp64 for fp64 inputs) of validated
     inputs; differentiable
     by autograd. document_ids int [B, S] keeps attention within documents; positions (a
-    BlockPositions) place q's blocks and k's slots in a longer sequence; score_budget:
-    score elements computed at a time (whole query blocks, at least one)."""
+    BlockPositions) place q's blocks and k's slots in a longer sequence; query_masks (the
+    CSR words are read) keep, in each active block, the query rows whose bit is set;
+    score_budget: score elements computed at a time (whole query blocks, at least one)."""
     batch, seq_len_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
     if q.numel() == 0 or layout.nnz == 0:
@@ -191,6 +199,7 @@ def attention_forward(
                 window_size=window_size, scale=softmax_scale, documents=documents,
                 dropout_p=dropout_p, dropout_seed=dropout_seed, batch_ids=batch_ids[batches],
                 head_ids=head_ids[heads], positions=positions,
+                query_masks=None if query_masks is None else query_masks.csr,
             )
             for part in rows.split(max(1, score_budget // per_row))
         ]  # fmt: skip

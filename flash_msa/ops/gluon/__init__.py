@@ -4,7 +4,7 @@ The forward is warp-specialised over 128 x 128 blocks (forward.py): full blocks 
 work, blocks cut by the causal diagonal, a window edge, a document boundary or a ragged end
 are masked in registers. The backward is the Triton backend's (deterministic: no atomics).
 It takes causal, window_size, documents and any sequence lengths; the registry passes what
-it refuses (dropout, and what _check names) to the next backend.
+it refuses (dropout, per-token query masks, and what _check names) to the next backend.
 """
 
 import torch
@@ -51,6 +51,7 @@ BACKEND = Backend(
     head_dims_text=" and ".join(map(str, HEAD_DIMS)),
     block_sizes=(BLOCK_M,),
     dropout=False,
+    query_masks=False,  # its masked path takes key bounds per row, not per-token selections
     check=_check,
 )
 
