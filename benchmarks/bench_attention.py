@@ -3,14 +3,15 @@
     python benchmarks/bench_attention.py [--cases causal-32k,window-1m] [--out DIR]
 
 bf16, batch 1, head dim 128, block 128, causal (common.CASES, common.VARLEN_CASES). Each
-case builds one layout; flash-msa runs it; FlexAttention (Triton kernels, compiled with
-dynamic=False) and FlashAttention-4 (FlexAttention's FLASH backend) run the identical blocks
-as one BlockMask (common.flex_block_mask: diagonal blocks partial, the rest full). Cases
-whose dense attention fits add dense causal FlashAttention-4 (flash_attn.cute) and SDPA
-(cuDNN, flash). FlashAttention-4 runs where flash_attn.cute imports. A peer that fails on
-a case is recorded with its error and the run goes on. Writes DIR/attention.json, .md and
-.png (DIR defaults to benchmarks/results/<gpu>/), keeping the records of cases this run
-leaves out.
+case builds one layout; flash-msa runs it through its gluon and its triton backend (one row
+each; records carry `backend` and `deterministic`: both backwards are free of atomics);
+FlexAttention (Triton kernels, compiled with dynamic=False) and FlashAttention-4
+(FlexAttention's FLASH backend) run the identical blocks as one BlockMask
+(common.flex_block_mask: diagonal blocks partial, the rest full). Cases whose dense
+attention fits add dense causal FlashAttention-4 (flash_attn.cute) and SDPA (cuDNN, flash).
+FlashAttention-4 runs where flash_attn.cute imports. A run that fails on a case is recorded
+with its error and the run goes on. Writes DIR/attention.json, .md and .png (DIR defaults
+to benchmarks/results/<gpu>/), keeping the records of cases this run leaves out.
 """
 
 from __future__ import annotations
@@ -47,14 +48,16 @@ from flash_msa.sequences import document_ids_of
 
 # impl -> what it is, in the reports
 IMPLS = {
-    "flash_msa": "flash-msa",
+    "flash_msa:gluon": "flash-msa, gluon forward (sm_90) and its deterministic backward",
+    "flash_msa:triton": "flash-msa, triton backend (deterministic backward)",
     "flex": "FlexAttention (Triton), same blocks",
     "fa4_block_sparse": "FlashAttention-4 (FlexAttention FLASH backend), same blocks",
     "fa4_dense": "FlashAttention-4 dense causal",
     "sdpa_cudnn": "SDPA cuDNN dense causal",
     "sdpa_flash": "SDPA flash (FlashAttention-2) dense causal",
 }
-PEERS = [impl for impl in IMPLS if impl != "flash_msa"]
+OURS = {impl: impl.partition(":")[2] for impl in IMPLS if impl.startswith("flash_msa:")}
+PEERS = [impl for impl in IMPLS if impl not in OURS]
 DENSE_IMPLS = ("fa4_dense", "sdpa_cudnn", "sdpa_flash")  # timed once per shape
 
 
@@ -86,7 +89,7 @@ def agreement(impls: dict) -> dict[str, dict]:
         try:
             with torch.no_grad():
                 out = fn()
-            if impl == "flash_msa":
+            if impl in OURS and reference is None:
                 outcomes[impl], reference = {}, out
             elif reference is not None:
                 outcomes[impl] = dict(rel_diff_vs_flash_msa=relative_difference(out, reference))
@@ -105,7 +108,10 @@ def time_impls(case: dict, impls: dict, inputs, dense_timings: dict) -> list[dic
     outcomes = agreement(impls)
     records = []
     for impl, (fn, flops) in impls.items():
-        record = dict(case, impl=impl, **outcomes.get(impl, {}))
+        name, _, backend = impl.partition(":")
+        record = dict(case, impl=name, **outcomes.get(impl, {}))
+        if backend:  # flash-msa's rows: one per backend; its backward never uses atomics
+            record.update(backend=backend, deterministic=True)
         shape_key = (impl, case["seq_len"], case["heads_q"], case["heads_kv"])
         try:
             if "error" in record:
@@ -166,7 +172,15 @@ def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
     flex, block_mask = compiled_flex(), flex_block_mask(layout, heads_q)
 
     impls = {
-        "flash_msa": (lambda: block_sparse_attn_func(q, k, v, layout, causal=True), sparse_flops),
+        **{
+            impl: (
+                lambda backend=backend: block_sparse_attn_func(
+                    q, k, v, layout, causal=True, backend=backend
+                ),
+                sparse_flops,
+            )
+            for impl, backend in OURS.items()
+        },
         "flex": (flex_call(flex, q_t, k_t, v_t, block_mask), sparse_flops),
     }
     if fa4 is not None:
@@ -206,12 +220,13 @@ def run_varlen_case(name: str, device, fa4) -> list[dict]:
     q, k, v, dout = inputs = random_inputs(total, heads, heads, device)
     flops = sum(4 * HEAD_DIM * length * length / 2 for length in lengths) * heads
     impls = {
-        "flash_msa": (
-            lambda: block_sparse_attn_varlen_func(
-                q[0], k[0], v[0], bounds, longest, layout, causal=True
+        impl: (
+            lambda backend=backend: block_sparse_attn_varlen_func(
+                q[0], k[0], v[0], bounds, longest, layout, causal=True, backend=backend
             )[None],
             flops,
         )
+        for impl, backend in OURS.items()
     }
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -265,9 +280,13 @@ def timing_cells(record: dict) -> list:
     ]
 
 
-def speedup_cells(impls: dict[str, dict]) -> list[str]:
-    """flash-msa's speed-up over each peer, forward / forward+backward."""
-    ours = impls["flash_msa"]
+def row_name(record: dict) -> str:
+    """The impl, and for flash-msa's rows its backend: "flash_msa:gluon"."""
+    return record["impl"] + (f":{record['backend']}" if "backend" in record else "")
+
+
+def speedup_cells(impls: dict[str, dict], ours: dict) -> list[str]:
+    """One flash-msa row's speed-up over each peer, forward / forward+backward."""
     return [
         f"{ratio(impls.get(peer), ours, 'fwd_ms')} / {ratio(impls.get(peer), ours, 'fwd_bwd_ms')}"
         for peer in PEERS
@@ -277,13 +296,14 @@ def speedup_cells(impls: dict[str, dict]) -> list[str]:
 def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     by_case: dict[str, dict] = {}
     for record in records:
-        by_case.setdefault(record["case"], {})[record["impl"]] = record
+        by_case.setdefault(record["case"], {})[row_name(record)] = record
     columns = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "peak GiB"]
-    timings = [(r, [r["case"], r["impl"], *timing_cells(r)]) for r in records]
+    timings = [(r, [r["case"], row_name(r), *timing_cells(r)]) for r in records]
     speedups = [
-        (impls["flash_msa"], [case, *speedup_cells(impls)])
+        (impls[ours], [case, backend, *speedup_cells(impls, impls[ours])])
         for case, impls in by_case.items()
-        if "flash_msa" in impls
+        for ours, backend in OURS.items()
+        if ours in impls
     ]
     body = [
         "## Times",
@@ -294,7 +314,7 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         "",
         "Peer ms / flash_msa ms, forward / forward+backward: above 1.00x flash-msa is faster.",
         "",
-        *markdown_table(["case", *(f"vs {peer}" for peer in PEERS)], speedups),
+        *markdown_table(["case", "backend", *(f"vs {peer}" for peer in PEERS)], speedups),
         "",
         "Impls: " + "; ".join(f"{impl}: {text}" for impl, text in IMPLS.items()) + ".",
     ]
