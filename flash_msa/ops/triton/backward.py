@@ -5,7 +5,8 @@
    second kernel, from the dO tile it holds anyway (no separate preprocessing pass).
 2. dK/dV kernel: one program per (kv tile, kv head, batch) walks layout.transpose()
    rows for each query head of its GQA group, accumulates dK, dV in fp32 and writes
-   them once.
+   them once. Per-token query masks reach it in the transposed layout's order
+   (QueryMasks.csc).
 
 Every output element is written by exactly one program, so results are bitwise
 deterministic and autotuning reruns are harmless. With block positions both walk local rows
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout, BlockPositions
+from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton import configs
 from flash_msa.ops.triton.common import (
     AUTOTUNE_KEY,
@@ -43,6 +45,8 @@ from flash_msa.ops.triton.common import (
     packing,
     padding_rows,
     position_arguments,
+    query_mask_arguments,
+    query_mask_word,
     query_program,
     resolve_tma,
     row_steps,
@@ -57,7 +61,7 @@ from flash_msa.ops.triton.common import (
 @triton.jit
 def _dq_kernel(
     q, k, v, out, grad_out, lse, delta, grad_q, row_offsets, col_indices, tile_order, documents,
-    q_block_positions, kv_block_positions,
+    q_block_positions, kv_block_positions, query_masks,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h, stride_out_b, stride_out_s, stride_out_h,
     stride_grad_out_b, stride_grad_out_s, stride_grad_out_h,
@@ -68,11 +72,11 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B), tiles in tile_order; lse and
-    delta are fp32 [B, H_q, S_q]. HAS_POSITIONS: as in the forward."""
+    delta are fp32 [B, H_q, S_q]. HAS_POSITIONS, HAS_QUERY_MASKS: as in the forward."""
     batch, first_head, kv_head, first_row, rows, heads, row_valid = query_program(
         tile_order, seq_len_q, group, ROWS, PACK
     )  # rows, heads, row_valid: [BLOCK_M]
@@ -114,11 +118,12 @@ def _dq_kernel(
     dq = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
         k_tile, v_tile, key_positions, scores = kv_step(
-            q_tile, k_source, v_source, col_indices, kv_block_positions, step, kv_head,
-            query_positions, query_first, query_last, query_documents, documents, stride_k_s,
-            stride_k_h, stride_v_s, stride_v_h, key_end, qk_scale, window_left, window_right,
-            STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT,
-            HAS_DOCUMENTS, HAS_POSITIONS, DOT_PRECISION, TMA,
+            q_tile, k_source, v_source, col_indices, kv_block_positions, query_masks, step,
+            kv_head, query_positions, query_first, query_last, query_documents, documents,
+            stride_k_s, stride_k_h, stride_v_s, stride_v_h, key_end, qk_scale, window_left,
+            window_right, STEPS_PER_BLOCK, Q_BLOCK, ROWS, KV_BLOCK, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, HAS_POSITIONS, HAS_QUERY_MASKS,
+            DOT_PRECISION, TMA,
         )  # fmt: skip  # scores [BLOCK_M, BLOCK_N]
         probs = tl.math.exp2(scores - row_lse[:, None])  # [BLOCK_M, BLOCK_N]
         grad_probs = tl.dot(do_tile, tl.trans(v_tile), input_precision=DOT_PRECISION)
@@ -138,7 +143,7 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_kernel(
     q, k, v, grad_out, lse, delta, grad_k, grad_v, row_offsets, row_indices, documents,
-    q_block_positions, kv_block_positions,
+    q_block_positions, kv_block_positions, query_masks,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h, stride_grad_out_b, stride_grad_out_s, stride_grad_out_h,
     stride_grad_k_b, stride_grad_k_s, stride_grad_k_h,
@@ -149,8 +154,8 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B), in kv order: under a causal layout the first kv
     blocks are used by the most query blocks, so the heavy tiles already start first.
@@ -158,7 +163,8 @@ def _dkdv_kernel(
     blocks). Query tiles are ROWS positions x PACK heads of the group, as in the forward.
     HAS_POSITIONS: the programs walk buffer slots (kv blocks of the layout) and local query
     blocks, whose positions come from kv_block_positions and q_block_positions; a slot's
-    padding rows (past the sequence end) get dK = dV = 0."""
+    padding rows (past the sequence end) get dK = dV = 0. HAS_QUERY_MASKS: query_masks are
+    the words in the transposed layout's order (aligned with row_indices)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -218,11 +224,12 @@ def _dkdv_kernel(
             scores = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
             scores *= qk_scale  # [BLOCK_N, BLOCK_M], log2 units
             query_documents = documents_of(documents, query_positions, query_end, HAS_DOCUMENTS)
+            query_mask = query_mask_word(query_masks, step // STEPS_PER_BLOCK, HAS_QUERY_MASKS)
             scores = mask_scores(
                 scores, query_positions[None, :], key_positions[:, None], query_first,
                 query_first + ROWS - 1, key_first, BLOCK_N, key_end, window_left,
                 window_right, HAS_LEFT, HAS_RIGHT, documents, query_documents[None, :],
-                HAS_DOCUMENTS,
+                HAS_DOCUMENTS, query_mask, Q_BLOCK, ROWS, HAS_QUERY_MASKS,
             )  # fmt: skip  # [BLOCK_N, BLOCK_M]
             probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
             grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
@@ -275,6 +282,7 @@ def attention_backward(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     positions: BlockPositions | None = None,
+    query_masks: QueryMasks | None = None,
     tma: bool | None = None,
     dq_query_rows: int | None = None,
     dkdv_query_rows: int | None = None,
@@ -288,6 +296,7 @@ def attention_backward(
         grad_out, q, k, v, out: as in attention_forward, unit stride along D.
         lse: fp32 [B, H_q, S_q] from the forward, contiguous.
         positions, tma: as in attention_forward.
+        query_masks: per-token selections: dQ reads the CSR words, dK/dV the CSC ones.
         dq_query_rows, dkdv_query_rows: the most rows of a query tile of each kernel;
             dkdv_kv_rows: key rows of a dK/dV program (None: the configs module's choice).
         dq_config, dkdv_config: run these kernel configs instead of autotuning.
@@ -330,7 +339,8 @@ def attention_backward(
             out=out, grad_q=grad_q, row_offsets=layout.row_offsets,
             col_indices=layout.col_indices, tile_order=order, **strides("out", out),
             **strides("grad_q", grad_q), stride_layout=layout.row_offsets.stride(0),
-            ROWS=tile.rows, PACK=tile.pack, **shared, **config_arguments(dq_config),
+            **query_mask_arguments(query_masks, "csr", layout.row_offsets), ROWS=tile.rows,
+            PACK=tile.pack, **shared, **config_arguments(dq_config),
         )  # fmt: skip
 
     transposed = layout.transpose()
@@ -347,7 +357,7 @@ def attention_backward(
             grad_k=grad_k, grad_v=grad_v, row_offsets=transposed.row_offsets,
             row_indices=transposed.col_indices, **strides("grad_k", grad_k),
             **strides("grad_v", grad_v), stride_layout=transposed.row_offsets.stride(0),
-            ROWS=tile.rows, PACK=tile.pack, BLOCK_N=dkdv_kv_rows, **shared,
-            **config_arguments(dkdv_config),
+            **query_mask_arguments(query_masks, "csc", layout.row_offsets), ROWS=tile.rows,
+            PACK=tile.pack, BLOCK_N=dkdv_kv_rows, **shared, **config_arguments(dkdv_config),
         )  # fmt: skip
     return grad_q, grad_k, grad_v

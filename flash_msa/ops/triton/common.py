@@ -8,6 +8,9 @@ Rows are where a tile sits in memory (loads, stores, descriptors); positions are
 sits in the sequence (element masks, documents, dropout bits). They are the same unless the
 call has block positions (HAS_POSITIONS: context parallelism), where a block of rows of q or
 of the K/V buffer is a block of a longer sequence (global_positions).
+
+Per-token selections (HAS_QUERY_MASKS) come as one int64 word per active pair, bit r for row
+r of the query block: a tile some of whose rows do not read the block takes the masked path.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from triton.runtime import _allocation
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout, BlockPositions
+from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton import configs
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
@@ -30,7 +34,7 @@ LN_2: tl.constexpr = tl.constexpr(_env.LN_2)
 # Constexprs that select a compiled variant: the autotuner keeps one choice per value.
 AUTOTUNE_KEY = [
     "HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "ROWS", "PACK", "HAS_LEFT", "HAS_RIGHT", "HAS_DOCUMENTS",
-    "HAS_DROPOUT", "HAS_POSITIONS", "TMA",
+    "HAS_DROPOUT", "HAS_POSITIONS", "HAS_QUERY_MASKS", "TMA",
 ]  # fmt: skip
 
 
@@ -157,17 +161,19 @@ def step_first(indices, step, STEPS_PER_BLOCK: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit
 def kv_step(
-    q_tile, k_source, v_source, col_indices, kv_block_positions, step, kv_head,
+    q_tile, k_source, v_source, col_indices, kv_block_positions, query_masks, step, kv_head,
     query_positions, query_first, query_last, query_documents, documents, stride_ks, stride_kh,
     stride_vs, stride_vh, key_end, qk_scale, window_left, window_right,
-    STEPS_PER_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    STEPS_PER_BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One step of a query program along its CSR row: the step's K and V tiles [BLOCK_N, D_PAD],
     its key positions [BLOCK_N] and the masked scores [BLOCK_M, BLOCK_N] in log2 units.
-    Keys from position key_end on are masked and read as 0 (see padding_rows)."""
+    Keys from position key_end on are masked and read as 0 (see padding_rows); with
+    HAS_QUERY_MASKS, rows (of a tile of ROWS positions) whose bit in the step's pair is unset."""
     key_row_first = step_first(col_indices, step, STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N)
     key_rows = key_row_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     key_first, key_positions = global_positions(key_row_first, key_rows, KV_BLOCK,
@@ -179,10 +185,11 @@ def kv_step(
                        stride_vh, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
     scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
     scores *= qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    query_mask = query_mask_word(query_masks, step // STEPS_PER_BLOCK, HAS_QUERY_MASKS)
     scores = mask_scores(
         scores, query_positions[:, None], key_positions[None, :], query_first, query_last,
         key_first, BLOCK_N, key_end, window_left, window_right, HAS_LEFT, HAS_RIGHT, documents,
-        query_documents, HAS_DOCUMENTS,
+        query_documents, HAS_DOCUMENTS, query_mask, Q_BLOCK, ROWS, HAS_QUERY_MASKS,
     )  # fmt: skip
     return k_tile, v_tile, key_positions, scores
 
@@ -198,21 +205,35 @@ def documents_of(documents, positions, seq_len, HAS_DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
+def query_mask_word(query_masks, entry, HAS_QUERY_MASKS: tl.constexpr):
+    """The int64 word of layout entry `entry` (bit r: row r of its query block reads its kv
+    block), one load per block; without query masks 0, never read."""
+    if HAS_QUERY_MASKS:
+        return tl.load(query_masks + entry)
+    return 0
+
+
+@triton.jit
 def mask_scores(
     scores, query_positions, key_positions, query_first, query_last, key_first,
     KEY_ROWS: tl.constexpr, key_end, window_left, window_right, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, documents, query_documents, HAS_DOCUMENTS: tl.constexpr,
+    query_mask, Q_BLOCK: tl.constexpr, QUERY_ROWS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
 ):  # fmt: skip
     """Set scores of keys a query must not see to -inf (reference.visible, plus keys from
     position key_end on, plus keys of another document when HAS_DOCUMENTS: `documents` points
-    at this batch row's int32 [S] document ids, query_documents holds the queries'). Whether
-    the tile (queries [query_first, query_last] x KEY_ROWS keys from key_first) needs it at
-    all is decided from its bounds by scalar comparisons, so full tiles skip all
-    element-mask work. Causal arrives folded into the right window (right = 0).
-    Positions broadcast to the scores' shape: [M, 1] x [1, N] in the forward and dQ,
-    [1, M] x [N, 1] in dK/dV."""
+    at this batch row's int32 [S] document ids, query_documents holds the queries'; plus, when
+    HAS_QUERY_MASKS, every key for the queries whose bit (position % Q_BLOCK) in the block's
+    word query_mask is unset). Whether the tile (queries [query_first, query_last], QUERY_ROWS
+    of them, x KEY_ROWS keys from key_first) needs it at all is decided from its bounds and
+    the word by scalar operations, so full tiles skip all element-mask work. Causal arrives
+    folded into the right window (right = 0). Positions broadcast to the scores' shape:
+    [M, 1] x [1, N] in the forward and dQ, [1, M] x [N, 1] in dK/dV."""
     key_last = key_first + KEY_ROWS - 1
     partial = key_last >= key_end
+    if HAS_QUERY_MASKS:  # the tile's QUERY_ROWS bits of ~word, shifted to the top: 0 iff all set
+        unread = ((~query_mask) >> (query_first % Q_BLOCK)) << (64 - QUERY_ROWS)
+        partial = partial | (unread != 0)
     if HAS_RIGHT:
         partial = partial | (key_last > query_first + window_right)
     if HAS_LEFT:
@@ -230,6 +251,8 @@ def mask_scores(
         if HAS_DOCUMENTS:
             key_documents = documents_of(documents, key_positions, key_end, HAS_DOCUMENTS)
             keep = keep & (key_documents == query_documents)
+        if HAS_QUERY_MASKS:
+            keep = keep & (((query_mask >> (query_positions % Q_BLOCK)) & 1) != 0)
         scores = tl.where(keep, scores, float("-inf"))
     return scores
 
@@ -304,6 +327,17 @@ def position_arguments(positions: BlockPositions | None, placeholder: torch.Tens
         q_block_positions=positions.q_blocks, kv_block_positions=positions.kv_blocks,
         position_seq_len=positions.seq_len, HAS_POSITIONS=True,
     )  # fmt: skip
+
+
+def query_mask_arguments(
+    query_masks: QueryMasks | None, order: str, placeholder: torch.Tensor
+) -> dict:
+    """Pointer and flag of the optional query masks in the order a kernel walks the layout
+    ("csr": rows, "csc": the transposed layout's rows); the placeholder stands in (never
+    read) when there are none."""
+    if query_masks is None:
+        return dict(query_masks=placeholder, HAS_QUERY_MASKS=False)
+    return dict(query_masks=getattr(query_masks, order), HAS_QUERY_MASKS=True)
 
 
 def document_arguments(document_ids: torch.Tensor | None, placeholder: torch.Tensor) -> dict:

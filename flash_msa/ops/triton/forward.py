@@ -3,11 +3,11 @@
 One program owns a query tile of ROWS positions x PACK query heads (PACK > 1 packs the
 heads of a GQA group that share a layout row, so each K/V tile is loaded once for all of
 them) and walks that q block's CSR row: only active blocks cost work. Online softmax in
-fp32 with exp2; element masks (causal, window, ragged kv end, documents) only on partial
-tiles. On Hopper, K/V tiles (and unpacked query tiles) load through 2-D tensor descriptors
-(TMA) built by each program; elsewhere through pointers. With block positions, q holds
-blocks of a longer sequence and K/V a buffer of its blocks: masks and dropout see the
-sequence's positions.
+fp32 with exp2; element masks (causal, window, ragged kv end, documents, per-token query
+masks) only on partial tiles. On Hopper, K/V tiles (and unpacked query tiles) load through
+2-D tensor descriptors (TMA) built by each program; elsewhere through pointers. With block
+positions, q holds blocks of a longer sequence and K/V a buffer of its blocks: masks and
+dropout see the sequence's positions.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout, BlockPositions
+from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton import configs
 from flash_msa.ops.triton.common import (
     AUTOTUNE_KEY,
@@ -38,6 +39,7 @@ from flash_msa.ops.triton.common import (
     packing,
     padding_rows,
     position_arguments,
+    query_mask_arguments,
     query_program,
     resolve_tma,
     row_steps,
@@ -51,7 +53,7 @@ from flash_msa.ops.triton.common import (
 @triton.jit
 def _forward_kernel(
     q, k, v, out, lse, row_offsets, col_indices, tile_order, documents, q_block_positions,
-    kv_block_positions,
+    kv_block_positions, query_masks,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h, stride_out_b, stride_out_s, stride_out_h,
     stride_lse_b, stride_lse_h, stride_documents_b, stride_layout,
@@ -60,14 +62,15 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_q_blocks * Q_BLOCK // ROWS, H_q // PACK, B); tile_order maps program 0..
     to the query tile it runs (heavy rows first). qk_scale = softmax_scale * log2(e).
     TMA: K/V tiles (and unpacked Q tiles) load through tensor descriptors. HAS_POSITIONS:
     q_block_positions, kv_block_positions (int32) place q's blocks and k's slots in a
-    sequence of position_seq_len tokens."""
+    sequence of position_seq_len tokens. HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned
+    with col_indices) keep, per block, the rows whose bit is set."""
     batch, first_head, kv_head, first_row, rows, heads, row_valid = query_program(
         tile_order, seq_len_q, group, ROWS, PACK
     )  # rows, heads, row_valid: [BLOCK_M]
@@ -100,11 +103,12 @@ def _forward_kernel(
     acc = tl.zeros([ROWS * PACK, HEAD_DIM_PAD], tl.float32)  # [BLOCK_M, D_PAD]
     for step in range(step_start, step_end):
         k_tile, v_tile, key_positions, scores = kv_step(
-            q_tile, k_source, v_source, col_indices, kv_block_positions, step, kv_head,
-            query_positions, query_first, query_last, query_documents, documents, stride_k_s,
-            stride_k_h, stride_v_s, stride_v_h, key_end, qk_scale, window_left, window_right,
-            STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT,
-            HAS_DOCUMENTS, HAS_POSITIONS, DOT_PRECISION, TMA,
+            q_tile, k_source, v_source, col_indices, kv_block_positions, query_masks, step,
+            kv_head, query_positions, query_first, query_last, query_documents, documents,
+            stride_k_s, stride_k_h, stride_v_s, stride_v_h, key_end, qk_scale, window_left,
+            window_right, STEPS_PER_BLOCK, Q_BLOCK, ROWS, KV_BLOCK, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, HAS_POSITIONS, HAS_QUERY_MASKS,
+            DOT_PRECISION, TMA,
         )  # fmt: skip  # scores [BLOCK_M, BLOCK_N]
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # A row with nothing visible yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
@@ -150,6 +154,7 @@ def attention_forward(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     positions: BlockPositions | None = None,
+    query_masks: QueryMasks | None = None,
     tma: bool | None = None,
     query_rows: int | None = None,
     config: triton.Config | None = None,
@@ -162,6 +167,7 @@ def attention_forward(
         document_ids: int32 [B, S] (S_q == S_kv): keys of another document are never seen.
         dropout_p, dropout_seed: probabilities dropped by Philox bits under the seed.
         positions: int32 BlockPositions of q's blocks and the K/V buffer's slots, or None.
+        query_masks: per-token selections (their CSR words are read), or None.
         tma: load tiles through tensor descriptors (None: wherever the GPU and the strides
             allow it).
         query_rows: the most rows (positions x packed heads) of a query tile (None:
@@ -192,6 +198,7 @@ def attention_forward(
             **strides("lse", lse, "bh"), stride_layout=layout.row_offsets.stride(0),
             **document_arguments(document_ids, layout.row_offsets),
             **position_arguments(positions, layout.row_offsets),
+            **query_mask_arguments(query_masks, "csr", layout.row_offsets),
             dropout_p=dropout_p, dropout_seed=dropout_seed, seq_len_q=seq_len_q,
             seq_len_kv=k.shape[1], group=heads_q // heads_kv, **layout_arguments(layout, heads_q),
             qk_scale=softmax_scale * _env.LOG2_E, **mask_arguments(causal, window_size),
