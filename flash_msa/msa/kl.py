@@ -12,7 +12,9 @@ layout, each recomputing the teacher from q, k and the main attention's lse (nev
 the forward (rows), dq_proxy (rows) and dk_proxy (the transposed layout: per kv block, the
 query blocks that use it). With q_blocks (context parallelism) the queries are some query
 blocks of the sequence the keys hold whole: local query block b sits at global query block
-q_blocks[b], where causality and documents see it.
+q_blocks[b], where causality and documents see it. With query_masks (per-token selections,
+as the main attention's query_masks) token i sees only the blocks its own bits select: its
+teacher and student are both over exactly the keys its main attention used.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
-from flash_msa.ops.triton.common import strides
+from flash_msa.ops.interface import check_query_masks
+from flash_msa.ops.registry import QueryMasks
+from flash_msa.ops.triton.common import query_mask_arguments, strides
 from flash_msa.patterns.topk import check_query_blocks
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
@@ -39,6 +43,24 @@ def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
         doc_cols = tl.load(documents + cols, mask=cols < seq_len, other=-2)
         visible &= doc_rows[:, None] == doc_cols[None, :]
     return visible
+
+
+@triton.jit
+def _selected(query_masks, entry, Q_BLOCK: tl.constexpr):
+    """bool [Q_BLOCK]: the rows of an entry's query block whose bit is set in its int64 word
+    (they read its kv block)."""
+    word = tl.load(query_masks + entry)
+    return ((word >> tl.arange(0, Q_BLOCK).to(tl.int64)) & 1) != 0
+
+
+@triton.jit
+def _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS: tl.constexpr):
+    """[M] lse of the proxy softmax of rows; with query masks a row may see no key: its
+    -inf lse reads as +inf so that exp(z - lse) is 0 there, not NaN."""
+    lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)
+    if HAS_QUERY_MASKS:
+        lse_p = tl.where(lse_p == float("-inf"), float("inf"), lse_p)
+    return lse_p
 
 
 @triton.jit
@@ -91,8 +113,8 @@ def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.co
 
 @triton.jit
 def _kl_rows_kernel(
-    q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, lse_proxy,
-    grad_scale, out, kl_rows,
+    q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, query_masks,
+    lse_proxy, grad_scale, out, kl_rows,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_lse_b, stride_lse_h, stride_doc_b,
@@ -100,13 +122,15 @@ def _kl_rows_kernel(
     heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, GRAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
+    GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (query block, batch x proxy head), walking its CSR row. Without GRAD:
     writes kl_rows and lse_proxy [B, H_p, S_q]. With GRAD: reads lse_proxy and writes
     out = d kl_loss / d q_proxy [B, S_q, H_p, D_p], grad_scale holding d loss / d kl_loss / N.
-    seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS only: else both are S)."""
+    seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS only: else both are S).
+    HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with col_indices) keep, per block, the
+    rows whose bit is set."""
     block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy
     head = tl.program_id(1) % heads_proxy
@@ -127,7 +151,7 @@ def _kl_rows_kernel(
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
     if GRAD:
-        lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)
+        lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
         grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)
         coefficient = tl.load(grad_scale)
     else:
@@ -138,6 +162,8 @@ def _kl_rows_kernel(
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
         visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+        if HAS_QUERY_MASKS:
+            visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
         kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
         k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
         logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
@@ -180,8 +206,8 @@ def _kl_rows_kernel(
 
 @triton.jit
 def _kl_dk_proxy_kernel(
-    q_proxy, k_proxy, q, k, lse, documents, q_blocks, t_row_offsets, t_col_indices, lse_proxy,
-    grad_scale, grad_k_proxy,
+    q_proxy, k_proxy, q, k, lse, documents, q_blocks, t_row_offsets, t_col_indices, query_masks,
+    lse_proxy, grad_scale, grad_k_proxy,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_lse_b, stride_lse_h, stride_doc_b,
@@ -189,12 +215,14 @@ def _kl_dk_proxy_kernel(
     layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
     key head, walks the query blocks that selected the kv block; writes d kl_loss / d k_proxy
     [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as in
-    _kl_rows_kernel."""
+    _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned with
+    t_col_indices)."""
     block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy_keys
     key_head = tl.program_id(1) % heads_proxy_keys
@@ -220,6 +248,8 @@ def _kl_dk_proxy_kernel(
             rows = q_block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
             positions = _positions(q_blocks, q_block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
             visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+            if HAS_QUERY_MASKS:
+                visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
             qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             teacher = _teacher(
@@ -227,7 +257,7 @@ def _kl_dk_proxy_kernel(
                 query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
             )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
-            lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)
+            lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
             grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
             grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
                             input_precision=DOT_PRECISION)  # fmt: skip
@@ -281,6 +311,8 @@ def _kl_forward(
     lse: torch.Tensor,
     documents: torch.Tensor | None,
     q_blocks: torch.Tensor | None,
+    query_masks: torch.Tensor | None,
+    t_query_masks: torch.Tensor | None,
     row_offsets: torch.Tensor,
     col_indices: torch.Tensor,
     t_row_offsets: torch.Tensor,
@@ -299,10 +331,11 @@ def _kl_forward(
     batch, seq_len, heads_proxy, _ = q_proxy.shape
     lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
     kl_rows = torch.empty_like(lse_proxy)
+    masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
         row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
         grad_scale=lse_proxy, out=q_proxy, kl_rows=kl_rows, num_q_blocks=layout.num_q_blocks,
-        GRAD=False, **arguments,
+        **query_mask_arguments(masks, "csr", lse), GRAD=False, **arguments,
     )  # fmt: skip
     return kl_rows.sum() / _divisor(reduction, kl_rows.numel()), lse_proxy
 
@@ -323,6 +356,8 @@ def _kl_backward(
     lse: torch.Tensor,
     documents: torch.Tensor | None,
     q_blocks: torch.Tensor | None,
+    query_masks: torch.Tensor | None,
+    t_query_masks: torch.Tensor | None,
     lse_proxy: torch.Tensor,
     row_offsets: torch.Tensor,
     col_indices: torch.Tensor,
@@ -343,17 +378,20 @@ def _kl_backward(
     heads_proxy_keys = k_proxy.shape[2]
     divisor = _divisor(reduction, lse_proxy.numel())
     grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
+    masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     grad_q_proxy = torch.empty_like(q_proxy)
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
         row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
         grad_scale=grad_scale, out=grad_q_proxy, kl_rows=lse_proxy,
-        num_q_blocks=layout.num_q_blocks, GRAD=True, **arguments,
+        num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse), GRAD=True,
+        **arguments,
     )  # fmt: skip
     grad_k_proxy = torch.empty_like(k_proxy)
     _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
         t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, lse_proxy=lse_proxy,
         grad_scale=grad_scale, grad_k_proxy=grad_k_proxy, heads_proxy_keys=heads_proxy_keys,
-        num_kv_blocks=layout.num_kv_blocks, **arguments,
+        num_kv_blocks=layout.num_kv_blocks, **query_mask_arguments(masks, "csc", lse),
+        **arguments,
     )  # fmt: skip
     return grad_q_proxy, grad_k_proxy
 
@@ -364,10 +402,12 @@ def _(grad_loss, q_proxy, k_proxy, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    (q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, t_row_offsets,
-     t_col_indices, sizes, proxy_softmax_scale, softmax_scale, reduction) = inputs  # fmt: skip
-    ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, q_blocks, output[1],
-                          row_offsets, col_indices, t_row_offsets, t_col_indices)  # fmt: skip
+    (q_proxy, k_proxy, q, k, lse, documents, q_blocks, query_masks, t_query_masks, row_offsets,
+     col_indices, t_row_offsets, t_col_indices, sizes, proxy_softmax_scale, softmax_scale,
+     reduction) = inputs  # fmt: skip
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, q_blocks, query_masks,
+                          t_query_masks, output[1], row_offsets, col_indices, t_row_offsets,
+                          t_col_indices)  # fmt: skip
     ctx.options = dict(sizes=sizes, proxy_softmax_scale=proxy_softmax_scale,
                        softmax_scale=softmax_scale, reduction=reduction)  # fmt: skip
     ctx.mark_non_differentiable(output[1])
@@ -375,7 +415,7 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd_backward(ctx, grad_loss, _grad_lse_proxy):
     grad_q_proxy, grad_k_proxy = _kl_backward(grad_loss, *ctx.saved_tensors, **ctx.options)
-    return (grad_q_proxy, grad_k_proxy) + (None,) * 13
+    return (grad_q_proxy, grad_k_proxy) + (None,) * 15
 
 
 _kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -393,12 +433,14 @@ def proxy_kl_loss(
     proxy_softmax_scale: float,
     document_ids: torch.Tensor | None = None,
     q_blocks: torch.Tensor | None = None,
+    query_masks: torch.Tensor | None = None,
     reduction: str = "mean",
 ) -> torch.Tensor:
     """The KL loss of the module docstring, differentiable in q_proxy and k_proxy only.
 
-    Inputs are assumed valid (msa_func checks them), but for q_blocks and reduction; this is
-    the tensors' one boundary before the kernels (they are made contiguous here).
+    Inputs are assumed valid (msa_func checks them), but for q_blocks, query_masks and
+    reduction; this is the tensors' one boundary before the kernels (they are made contiguous
+    here).
 
     Args:
         q_proxy: [B, S_q, H_p, D_p]; k_proxy: [B, S, H_pk, D_p]; S_q = S without q_blocks.
@@ -413,6 +455,10 @@ def proxy_kl_loss(
             rows are these blocks, its columns global kv blocks); only a last block may be
             short, and then it is the ragged global last block. Its checks read it once from
             the device (not under torch.compile).
+        query_masks: the per-token selections the main attention ran with (its query_masks:
+            int64 [layout.nnz], bit r of an entry set when row r of its query block reads its
+            kv block; q_block <= 64), or None: each token's KL is then over exactly the keys
+            its main attention used; a token no bit selects adds 0.
         reduction: "mean" over the N = B * S_q * H_p (batch, token, proxy head) terms, or
             their "sum". Over ranks whose q_blocks partition the query blocks, the sums, the
             N and the sums' gradients add up to the whole sequence's: its mean is the
@@ -434,12 +480,17 @@ def proxy_kl_loss(
         check_query_blocks(q_blocks, seq_len_q=lengths[0], seq_len=lengths[1],
                            q_block=layout.q_block, device=q_proxy.device)  # fmt: skip
         q_blocks = q_blocks.to(torch.int32).contiguous()
+    t_query_masks = None
+    if query_masks is not None:
+        check_query_masks(query_masks, layout, q_proxy.device)
+        t_query_masks = query_masks[layout.transpose_entries()]
     q_proxy, k_proxy = q_proxy.contiguous(), k_proxy.contiguous()
     q, k, lse = (tensor.detach().contiguous() for tensor in (q, k, lse))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
     loss, _ = _kl_forward(
-        q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, **layout.op_arguments(),
+        q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, query_masks, t_query_masks,
+        **layout.op_arguments(),
         proxy_softmax_scale=proxy_softmax_scale, softmax_scale=softmax_scale,
         reduction=reduction,
     )  # fmt: skip
