@@ -5,59 +5,42 @@ Every script imports this module and the flash_msa package, never another script
 
 from __future__ import annotations
 
-import datetime
-import gc
+import functools
 import hashlib
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import triton
 
-from flash_msa import patterns
+from flash_msa import bench
+from flash_msa.bench import (  # noqa: F401  (re-exported: the scripts import them from here)
+    K,
+    M,
+    causal_layout,
+    compiled_flex,
+    failure,
+    flex_block_mask,
+    free_memory,
+    parse_length,
+    relative_difference,
+    timed,
+    topk_layout,
+    window_layout,
+    write_chart,
+)
 from flash_msa.layout import BlockLayout
 
-K, M = 1024, 1024 * 1024
 HEAD_DIM = 128
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 # ---- cases ---------------------------------------------------------------------------
-
-
-def parse_length(text: str) -> int:
-    """'32k' -> 32768, '1m' -> 1048576, '5000' -> 5000."""
-    text = text.strip().lower()
-    units = {"k": K, "m": M}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
-def topk_layout(seq_len: int, device) -> BlockLayout:
-    """16 blocks per row: its own, the previous one, and 14 random earlier blocks."""
-    blocks = seq_len // 128
-    generator = torch.Generator(device=device).manual_seed(0)
-    scores = torch.rand(blocks, blocks, device=device, generator=generator)
-    rows = torch.arange(1, blocks, device=device)
-    scores[rows, rows - 1] = 2.0  # above every random score: always kept
-    return patterns.topk(scores, 16, seq_len_q=seq_len)
-
-
-def window_layout(seq_len: int, device) -> BlockLayout:
-    """Sliding window of 4096 tokens + 128 sink tokens, causal."""
-    return patterns.sliding_window(seq_len, 4096, device=device) | patterns.global_tokens(
-        seq_len, 128, device=device
-    )
-
-
-def causal_layout(seq_len: int, device) -> BlockLayout:
-    return patterns.causal(seq_len, device=device)
 
 
 class Case(NamedTuple):
@@ -88,95 +71,13 @@ VARLEN_CASES = {
 }
 
 
-def random_tensors(
-    seq_len: int, heads: dict[str, int], *, device, requires_grad: Iterable[str], seed: int = 1
-) -> dict[str, torch.Tensor]:
-    """bf16 [1, S, H, D] tensors named as in heads (name -> H), drawn in that order from one
-    seed; those named in requires_grad require grad."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tensors = {
-        name: torch.randn(
-            1, seq_len, count, HEAD_DIM, generator=generator, device=device, dtype=torch.bfloat16
-        )
-        for name, count in heads.items()
-    }
-    for name in requires_grad:
-        tensors[name].requires_grad_()
-    return tensors
-
-
-def random_inputs(seq_len: int, heads_q: int, heads_kv: int, device):
-    """q [1, S, H_q, D], k, v [1, S, H_kv, D] (requiring grad) and dout like q."""
-    heads = dict(q=heads_q, k=heads_kv, v=heads_kv, dout=heads_q)
-    tensors = random_tensors(seq_len, heads, device=device, requires_grad=("q", "k", "v"))
-    return tuple(tensors.values())
+# bf16 [1, S, H, D] inputs of head dim HEAD_DIM: random_tensors(seq_len, heads, *, device,
+# requires_grad, seed=1) and random_inputs(seq_len, heads_q, heads_kv, device).
+random_tensors = functools.partial(bench.random_tensors, head_dim=HEAD_DIM, dtype=torch.bfloat16)
+random_inputs = functools.partial(bench.random_inputs, head_dim=HEAD_DIM, dtype=torch.bfloat16)
 
 
 # ---- peers ---------------------------------------------------------------------------
-
-
-def compiled_flex():
-    """flex_attention compiled with dynamic=False (after a second shape, automatic dynamic
-    shapes would slow its kernels), with dynamo's caches cleared."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    torch._dynamo.reset()
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def flex_block_mask(layout: BlockLayout, heads_q: int):
-    """The layout as a FlexAttention BlockMask of the same (q_block, kv_block) tiles under a
-    causal mask_mod: the blocks holding the causal diagonal are partial (mask_mod applied),
-    the others full (no mask work), the split create_block_mask makes and FlashAttention-4's
-    FLASH backend requires (it refuses partial blocks alone). Indices [B, H, nq, nk] with
-    B = layout_batch and H = 1 for a shared layout, else H_q (query head h reads layout
-    head h // (H_q / layout_heads))."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    device, num_rows = layout.device, layout.num_layouts * layout.num_q_blocks
-    rows = layout.entry_rows()  # [nnz] flat row: layout * nq + query block
-    query_blocks = rows % layout.num_q_blocks
-    # A block needs the causal mask when its last key comes after its first query.
-    partial = (layout.col_indices.long() + 1) * layout.kv_block - 1 > query_blocks * layout.q_block
-
-    def ordered(chosen):  # counts [B, H, nq], indices [B, H, nq, nk]: the chosen ones first
-        chosen_rows = rows[chosen]
-        counts = torch.bincount(chosen_rows, minlength=num_rows)
-        starts = counts.cumsum(0) - counts
-        slots = torch.arange(chosen_rows.numel(), device=device) - starts[chosen_rows]
-        # Slots past a row's count are never read: zeros keep them in range.
-        indices = torch.zeros(num_rows, layout.num_kv_blocks, dtype=torch.int32, device=device)
-        indices[chosen_rows, slots] = layout.col_indices[chosen]
-        return per_head(counts.int()), per_head(indices)
-
-    def per_head(tensor):  # [L * nq, ...] -> [B, H, nq, ...]
-        tensor = tensor.view(
-            layout.layout_batch, layout.layout_heads, layout.num_q_blocks, *tensor.shape[1:]
-        )
-        if layout.layout_heads == 1:
-            return tensor
-        return tensor.repeat_interleave(heads_q // layout.layout_heads, dim=1)
-
-    def causal(batch, head, q_index, kv_index):
-        return q_index >= kv_index
-
-    partial_counts, partial_indices = ordered(partial)
-    full_counts, full_indices = ordered(~partial)
-    return BlockMask.from_kv_blocks(
-        partial_counts,
-        partial_indices,
-        full_counts,
-        full_indices,
-        BLOCK_SIZE=(layout.q_block, layout.kv_block),
-        mask_mod=causal,
-        seq_lengths=(layout.seq_len_q, layout.seq_len_kv),
-    )
-
-
-def failure(error: BaseException) -> str:
-    """A peer's error as one line for the records: its type and first line."""
-    lines = str(error).strip().splitlines() or [""]
-    return f"{type(error).__name__}: {lines[0][:200]}".replace("|", "/")  # for markdown tables
 
 
 def failed_cell(record: dict) -> str:
@@ -185,22 +86,6 @@ def failed_cell(record: dict) -> str:
 
 
 # ---- timing --------------------------------------------------------------------------
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def timed(step: Callable[[], object], grad_to_none=None) -> dict:
-    """Median ms of step over do_bench's runs, and the peak memory of those runs in GiB."""
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = triton.testing.do_bench(
-        step, warmup=100, rep=500, grad_to_none=grad_to_none, return_mode="median"
-    )
-    return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
 def wall_ms(build: Callable[[], object], device: torch.device, repeats: int):
@@ -216,16 +101,6 @@ def wall_ms(build: Callable[[], object], device: torch.device, repeats: int):
             torch.cuda.synchronize()
         samples.append(1e3 * (time.perf_counter() - start))
     return statistics.median(samples), result
-
-
-def relative_difference(actual: torch.Tensor, expected: torch.Tensor, chunk: int = 64 * K):
-    """||actual - expected|| / ||expected|| over [B, S, ...], in fp32 a chunk of S at a time."""
-    error = norm = 0.0
-    for start in range(0, expected.shape[1], chunk):
-        a, e = (t[:, start : start + chunk].detach().float() for t in (actual, expected))
-        error += float((a - e).square().sum())
-        norm += float(e.square().sum())
-    return (error / norm) ** 0.5
 
 
 # ---- runs ----------------------------------------------------------------------------
@@ -262,22 +137,7 @@ def commit() -> str:
 def run_metadata(device: torch.device) -> dict:
     """The device and its memory, torch and triton versions, the date, the commit and the
     digest of flash_msa's sources: merged into every record of the run."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        memory = torch.cuda.get_device_properties(device).total_memory
-    else:
-        processor = platform.processor() or platform.machine()
-        name = f"CPU ({processor}, {torch.get_num_threads()} threads)"
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return dict(
-        device=name,
-        memory_gib=round(memory / 2**30, 1),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.date.today().isoformat(),
-        commit=commit(),
-        source_sha256=source_digest(),
-    )
+    return dict(bench.device_metadata(device), commit=commit(), source_sha256=source_digest())
 
 
 def results_dir(out: str | None, device: torch.device) -> pathlib.Path:
@@ -330,44 +190,3 @@ def write_report(
         f"its last column, its date and source digest in {name}.json."
     )
     (out_dir / f"{name}.md").write_text("\n".join([f"# {title}", "", run, "", *body]) + "\n")
-
-
-def write_chart(
-    path: pathlib.Path,
-    categories: list[str],
-    panels: dict[str, dict[str, list[float]]],
-    *,
-    ylabel: str,
-    title: str,
-    reference: float | None = None,
-) -> None:
-    """A PNG of grouped bars: one panel per entry of panels (panel title -> series name ->
-    one value per category; 0 draws no bar), a dashed line at reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(
-        1, len(panels), figsize=(max(10, 2.4 * len(categories)), 4.5), sharey=True, squeeze=False
-    )
-    for axis, (panel, series) in zip(axes[0], panels.items(), strict=True):
-        width = 0.8 / len(series)
-        for index, (label, values) in enumerate(series.items()):
-            axis.bar(
-                [x + index * width for x in range(len(categories))], values, width, label=label
-            )
-        if reference is not None:
-            axis.axhline(reference, color="black", linestyle="--", linewidth=1)
-        axis.set_xticks(
-            [x + 0.4 - width / 2 for x in range(len(categories))],
-            categories,
-            rotation=30,
-            ha="right",
-        )
-        axis.set_title(panel)
-    axes[0][0].set_ylabel(ylabel)
-    axes[0][0].legend()
-    figure.suptitle(title)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)

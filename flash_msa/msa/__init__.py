@@ -3,7 +3,13 @@
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.interface import msa_func
 from flash_msa.msa.kl import proxy_kl_loss
-from flash_msa.msa.reference import block_scores_reference, msa_reference, select_blocks_reference
+from flash_msa.msa.reference import (
+    block_scores_reference,
+    msa_reference,
+    select_blocks_reference,
+    select_tokens_reference,
+)
+from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 
 __all__ = [
     "block_scores",
@@ -12,4 +18,7 @@ __all__ = [
     "msa_reference",
     "proxy_kl_loss",
     "select_blocks_reference",
+    "select_tokens",
+    "select_tokens_reference",
+    "token_selection_layout",
 ]

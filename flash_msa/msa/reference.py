@@ -80,6 +80,41 @@ def select_blocks_reference(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     return selected.to(scores.device)
 
 
+def select_tokens_reference(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    *,
+    top_k: int,
+    kv_block: int,
+    proxy_softmax_scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token selection, int32 [B, H_p, S, top_k]: token i keeps its own block i // kv_block
+    plus the top_k - 1 other blocks with the highest score, ties to the lower block index,
+    where score(i, c) = max over keys j of block c with j <= i (and, with document_ids [B, S],
+    of i's document) of the scaled proxy logit; blocks with no such key are never kept. Rows
+    ascending, padded at the end with -1. q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p];
+    computed in float64."""
+    seq_len = q_proxy.shape[1]
+    num_kv_blocks = math.ceil(seq_len / kv_block)
+    logits = _proxy_logits(q_proxy.double(), k_proxy.double(), proxy_softmax_scale)
+    logits = logits.masked_fill(~_causal(seq_len, logits.device, document_ids), float("-inf"))
+    padded = logits.new_full((*logits.shape[:-1], num_kv_blocks * kv_block), float("-inf"))
+    padded[..., :seq_len] = logits
+    scores = padded.unflatten(-1, (num_kv_blocks, kv_block)).amax(-1)  # [B, H_p, S, nk]
+    own = torch.arange(seq_len, device=scores.device) // kv_block  # [S]
+    blocks = torch.arange(num_kv_blocks, device=scores.device)
+    scores = scores.masked_fill(blocks == own[:, None], float("-inf"))  # others only
+    # A stable descending sort keeps equal scores in ascending block order.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : top_k - 1]
+    others = torch.where(scores.gather(-1, order) > float("-inf"), order, num_kv_blocks)
+    own = own.expand(*scores.shape[:-2], seq_len)[..., None]
+    kept = torch.cat([others, own], dim=-1).sort(dim=-1).values  # invisible ones (nk) last
+    selected = torch.full((*scores.shape[:-1], top_k), -1, dtype=torch.int32, device=kept.device)
+    selected[..., : kept.shape[-1]] = kept.masked_fill(kept == num_kv_blocks, -1).int()
+    return selected
+
+
 def msa_reference(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
