@@ -1,4 +1,6 @@
-"""What the benchmarks share: cases, the peers' masks, timing, run metadata and reports.
+"""What the benchmarks share: cases, run metadata and reports, and (re-exported from
+flash_msa.bench, which `flash-msa bench` uses too) the layouts, the peers' masks, timing and
+the bar chart.
 
 Every script imports this module and the flash_msa package, never another script.
 """
@@ -10,9 +12,7 @@ import hashlib
 import json
 import os
 import pathlib
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,6 +31,7 @@ from flash_msa.bench import (  # noqa: F401  (re-exported: the scripts import th
     relative_difference,
     timed,
     topk_layout,
+    wall_ms,
     window_layout,
     write_chart,
 )
@@ -83,24 +84,6 @@ random_inputs = functools.partial(bench.random_inputs, head_dim=HEAD_DIM, dtype=
 def failed_cell(record: dict) -> str:
     """A report cell for a record that holds a failure (the full text is in the JSON)."""
     return f"failed: {record['error'][:80]}"
-
-
-# ---- timing --------------------------------------------------------------------------
-
-
-def wall_ms(build: Callable[[], object], device: torch.device, repeats: int):
-    """Median synchronised wall time of build() in ms over repeats calls (after one), and the
-    last result: for work with host steps, such as building a layout."""
-    result, samples = build(), []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = build()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples), result
 
 
 # ---- runs ----------------------------------------------------------------------------

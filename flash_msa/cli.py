@@ -1,6 +1,7 @@
 """The flash-msa command: demo runs forward + backward and checks them against a reference,
-show draws a pattern, info prints the versions, the device and the attention backends, niah
-runs the needle-in-a-haystack benchmark."""
+show draws a pattern, info prints the versions, the device and the attention backends, bench
+times flash-msa against FlexAttention and SDPA, niah runs the needle-in-a-haystack
+benchmark."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import torch
 
 from flash_msa import patterns
+from flash_msa.bench import LAYOUTS as BENCH_LAYOUTS
 from flash_msa.layout import BLOCK_SIZES, BlockLayout
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.reference import attention_reference, layout_mask
@@ -238,6 +240,138 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    """flash-msa, FlexAttention and SDPA side by side on the standard layouts: a table on the
+    terminal and bench.json, bench.md and bench.png in --out."""
+    import json
+    import pathlib
+
+    from tqdm.auto import tqdm
+
+    from flash_msa import bench as benchmark
+
+    benchmark.pyplot()  # a missing matplotlib ends the command before any measurement
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    sizes = BENCH_GPU_SIZES if on_gpu else BENCH_CPU_SIZES
+    seq_len, heads, head_dim = (
+        sizes[name] if getattr(args, name) is None else getattr(args, name)
+        for name in ("seq_len", "heads", "head_dim")
+    )
+    dtype = sizes["dtype"] if args.dtype is None else BENCH_DTYPES[args.dtype]
+    kv_heads = heads if args.kv_heads is None else args.kv_heads
+    if heads % kv_heads != 0:
+        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads} (GQA)")
+    modes = ("fwd", "fwd_bwd") if args.mode == "both" else (args.mode,)
+    backend = "auto" if on_gpu else "torch"
+    run = dict(
+        benchmark.device_metadata(device), seq_len=seq_len, heads_q=heads, heads_kv=kv_heads,
+        head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), batch=1, causal=True,
+        flash_msa_backend=backend, modes=list(modes),
+    )  # fmt: skip
+    print(
+        f"flash-msa bench on {run['device']}: S={seq_len}, H_q={heads}, H_kv={kv_heads}, "
+        f"D={head_dim}, {run['dtype']}, causal, flash-msa backend {backend!r}"
+    )
+    inputs = benchmark.random_inputs(
+        seq_len, heads, kv_heads, device, head_dim=head_dim, dtype=dtype
+    )
+    records = []
+    with tqdm(total=len(args.layouts) * len(benchmark.IMPLS), unit="case") as bar:
+        for name in args.layouts:
+            case = benchmark.build_case(name, seq_len, device)
+            flops = case.flops(heads, head_dim)
+            calls, reference = benchmark.implementations(case, *inputs[:3], backend=backend), None
+            for impl in benchmark.IMPLS:
+                bar.set_description(f"{name} {impl}")
+                record, out = benchmark.measure(
+                    calls, impl, inputs, modes=modes, flops=flops, reference=reference
+                )
+                reference = out if impl == "flash_msa" else reference
+                records.append(dict(layout=name, impl=impl, density=case.layout.density, **record))
+                bar.update()
+    benchmark.speedups(records)
+    table = _bench_table(records, modes)
+    print("\n".join(table))
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(dict(run=run, records=records), indent=1))
+    notes = [
+        "TFLOP/s over the computed pairs, the same count for every implementation (the "
+        "layout's active blocks; dense causal and documents: half of each square), "
+        f"{FWD_BWD_NOTE}; speed-up: the peer's ms over flash-msa's (above 1x flash-msa is "
+        "faster).",
+        "",
+        *(f"- {impl}: {text}" for impl, text in benchmark.IMPLS.items()),
+    ]
+    title = (
+        f"{run['device']}, {run['dtype']}, S={seq_len}, H_q={heads}, H_kv={kv_heads}, "
+        f"D={head_dim}, causal"
+    )
+    (out_dir / "bench.md").write_text("\n".join([f"# {title}", "", *table, "", *notes]) + "\n")
+    panels = {
+        MODE_NAMES[mode]: {
+            impl: [r.get(f"{mode}_tflops", 0) for r in records if r["impl"] == impl]
+            for impl in benchmark.IMPLS
+        }
+        for mode in modes
+    }  # mode -> impl -> TFLOP/s per layout (0: not timed)
+    benchmark.write_chart(
+        out_dir / "bench.png", list(args.layouts),
+        {mode: {impl: values for impl, values in series.items() if any(values)}
+         for mode, series in panels.items()},
+        ylabel="TFLOP/s over the computed pairs", title=title,
+    )  # fmt: skip
+    print(f"wrote {out_dir / 'bench.json'}, bench.md, bench.png")
+    return 0
+
+
+MODE_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
+FWD_BWD_NOTE = "forward + backward counted as 3.5x the forward"
+# Defaults of flash-msa bench where the option is not given: on a GPU, and the CPU's small size.
+BENCH_GPU_SIZES = dict(seq_len=32 * 1024, heads=16, head_dim=128, dtype=torch.bfloat16)
+BENCH_CPU_SIZES = dict(seq_len=1024, heads=4, head_dim=64, dtype=torch.float32)
+BENCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _rate(tflops: float) -> str:
+    """TFLOP/s to one decimal, or three significant digits below 1 (the CPU's)."""
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
+def _bench_table(records: list[dict], modes: tuple[str, ...]) -> list[str]:
+    """Markdown lines, columns padded to line up on a terminal: per record its ms, TFLOP/s and
+    (a peer's) flash-msa's speed-up over it in each mode; a skipped or failed record points to
+    its reason, listed under the table."""
+    header = ["layout", "impl"]
+    for mode in modes:
+        header += [f"{mode} ms", f"{mode} TFLOP/s", f"{mode} speed-up"]
+    rows, reasons = [header], {}  # reason -> its number
+    for record in records:
+        cells = [record["layout"], record["impl"]]
+        reason = record.get("skipped") or record.get("error")
+        if reason is not None:
+            word = "skipped" if "skipped" in record else "failed"
+            number = reasons.setdefault(f"{word}: {reason}", len(reasons) + 1)
+            rows.append([*cells, f"{word} [{number}]", *["-"] * (len(header) - 3)])
+            continue
+        for mode in modes:
+            speedup = record.get(f"{mode}_speedup")
+            cells += [
+                f"{record[f'{mode}_ms']:.3f}", _rate(record[f"{mode}_tflops"]),
+                "-" if speedup is None else f"{speedup:.2f}x",
+            ]  # fmt: skip
+        rows.append(cells)
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = [
+        "| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |"
+        for row in rows
+    ]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    notes = [f"[{number}] {reason}" for reason, number in reasons.items()]
+    return lines + ["", *notes] if notes else lines
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     """An argparse type: comma-separated token counts, 'k' for 1024 ('2k,32k')."""
     lengths = []
@@ -393,8 +527,103 @@ def build_parser() -> argparse.ArgumentParser:
     info_help = "print the versions, the device, the Triton interpreter and the backends"
     info_parser = commands.add_parser("info", help=info_help, description=info_help + ".")
     info_parser.set_defaults(run=info, parser=info_parser)
+    _add_bench_parser(commands)
     _add_niah_parser(commands)
     return parser
+
+
+def _bench_length(text: str) -> int:
+    """An argparse type: a token count of at least one block of 128, 'k' / 'm' suffixes."""
+    from flash_msa.bench import parse_length
+
+    try:
+        value = parse_length(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value < 128:
+        raise argparse.ArgumentTypeError(
+            f"seq_len must be at least 128 tokens (one block of the layouts), got {value}"
+        )
+    return value
+
+
+def _positive(name: str):
+    """An argparse type: a positive int, or an error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive int, got {text!r}")
+        return value
+
+    return parse
+
+
+def _layout_names(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated names of flash_msa.bench.LAYOUTS."""
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in BENCH_LAYOUTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown layouts {unknown}: choose among {', '.join(BENCH_LAYOUTS)}, comma-separated"
+        )
+    return names
+
+
+def _add_bench_parser(commands) -> None:
+    bench_help = "time flash-msa against FlexAttention and SDPA on standard layouts"
+    cpu = BENCH_CPU_SIZES
+    bench_parser = commands.add_parser(
+        "bench", help=bench_help,
+        description=bench_help + ": a table on the terminal (ms, TFLOP/s over the computed "
+        "pairs, flash-msa's speed-up over each peer) and bench.json, bench.md and bench.png "
+        "in --out. Batch 1, causal, blocks of 128. FlexAttention runs the same blocks and "
+        "element masks (a BlockMask, compiled); SDPA dense causal through cuDNN or flash for "
+        "the causal layout, else a dense boolean mask of the same pairs where it fits in "
+        "memory. Without a CUDA device the same cases run on the CPU at a small size "
+        f"(S={cpu['seq_len']}, H={cpu['heads']}, D={cpu['head_dim']}, float32, where the "
+        "window and top-k layouts keep every causal block): flash-msa's torch backend "
+        "against SDPA, FlexAttention skipped. Needs matplotlib for the chart "
+        "(pip install 'flash-msa[plot]').",
+    )  # fmt: skip
+    add = bench_parser.add_argument
+    gpu = BENCH_GPU_SIZES
+    add(
+        "--seq-len", type=_bench_length, default=None,
+        help=f"tokens, k = 1024, m = 1024^2 (default: {gpu['seq_len'] // 1024}k on a GPU, "
+        f"{cpu['seq_len']} on the CPU)",
+    )  # fmt: skip
+    for name, text in (("heads", "query heads"), ("head_dim", "head dim")):
+        add(
+            "--" + name.replace("_", "-"), type=_positive(name), default=None,
+            help=f"{text} (default: {gpu[name]} on a GPU, {cpu[name]} on the CPU)",
+        )  # fmt: skip
+    add(
+        "--kv-heads", type=_positive("kv_heads"), default=None,
+        help="key/value heads, a divisor of --heads (GQA) (default: --heads)",
+    )  # fmt: skip
+    add(
+        "--dtype", choices=tuple(BENCH_DTYPES), default=None,
+        help="q, k, v dtype (default: bf16 on a GPU, fp32 on the CPU)",
+    )  # fmt: skip
+    add(
+        "--mode", choices=("fwd", "fwd_bwd", "both"), default="both",
+        help="time the forward, forward + backward, or both (default: both)",
+    )  # fmt: skip
+    add(
+        "--layouts", type=_layout_names, default=tuple(BENCH_LAYOUTS),
+        help="comma-separated, of "
+        + "; ".join(f"{name}: {text}" for name, text in BENCH_LAYOUTS.items())
+        + f" (default: {','.join(BENCH_LAYOUTS)})",
+    )  # fmt: skip
+    add(
+        "--out", default="bench-results", metavar="DIR",
+        help="folder for bench.json, bench.md and bench.png (default: bench-results)",
+    )  # fmt: skip
+    bench_parser.set_defaults(run=bench, parser=bench_parser)
 
 
 def _add_niah_parser(commands) -> None:
