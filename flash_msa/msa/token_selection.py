@@ -52,8 +52,9 @@ def _block_max(
     The block lies inside the sequence and before every row that ranks it, so every key is
     causal; with HAS_DOCUMENTS keys of another document count as -inf (documents: int32 [S]
     of this batch row, row_documents [BLOCK_M] those of the rows). One dot per block and no
-    inner loop, so the caller's loop over blocks is what the compiler pipelines (block_scores'
-    _kv_block_max walks sub-blocks in a loop of run-time bounds, which it does not)."""
+    inner loop: the compiler pipelines the innermost loop, so the caller's walk over blocks
+    loads key tiles blocks ahead (in block_scores' _kv_block_max, a loop over the sub-blocks
+    of one kv block, loads overlap only within that block)."""
     keys = kv_first + tl.arange(0, KV_BLOCK)  # [KV_BLOCK]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
     k_tile = tl.load(

@@ -260,9 +260,9 @@ def test_token_selection_layout_rejects_bad_input():
 
 # ---- sm_90 code without a GPU ------------------------------------------------------------
 # Compiles the kernel at MSA's 1M-token sizes (bf16, D_p 128, kv_block 128, top_k 16, 4 proxy
-# heads on one key head) for each config of argv[2]; pointers and strides are specialised
-# as divisible by 16, as the launcher does for such tensors (without that the key loads are
-# not pipelined). Prints one JSON report per config.
+# heads on one key head) for each [BLOCK_M, warps, stages] of argv[2]; pointers and strides
+# are specialised as divisible by 16, as the launcher does for such tensors (without that
+# the key loads are not pipelined). Prints one JSON report per config.
 SM90_COMPILE = """
 import json, sys
 import triton
@@ -292,20 +292,20 @@ for block_m, warps, stages in json.loads(sys.argv[2]):
 
 
 def test_select_tokens_kernel_compiles_for_hopper(tmp_path):
-    """The interpreter never reaches GPU code generation: the smallest and the largest
-    tile compile for sm_90 to tensor cores (wgmma), key tiles loaded ahead (cp.async) and no
-    register spills."""
+    """The interpreter never reaches GPU code generation: the 128-row tile compiles for
+    sm_90 to tensor cores (wgmma), key tiles loaded ahead (cp.async) and no register
+    spills."""
     if not os.path.exists(PTXAS):
         pytest.skip("this Triton build bundles no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    configs = json.dumps([[64, 4, 2], [128, 8, 3]])
+    configs = json.dumps([[128, 8, 3]])
     result = subprocess.run(
         [sys.executable, "-c", SM90_COMPILE, str(tmp_path), configs],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(reports) == 2
+    assert len(reports) == 1
     for report in reports:
         assert report["wgmma"] and report["pipelined"] and report["spills"] == 0, report
