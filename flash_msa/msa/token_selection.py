@@ -398,8 +398,10 @@ def token_selection_layout(
     row_keys = (layouts * num_q_blocks + tokens // q_block) * num_kv_blocks  # [L, S]
     # Padding maps past every real key, so it sorts last and is dropped below.
     padding = batch * heads * num_q_blocks * num_kv_blocks
-    entries = selected.reshape(batch * heads, seq_len, top_k).long()  # [L, S, top_k]
-    keys = torch.where(entries >= 0, row_keys[..., None] + entries, padding)  # [L, S, top_k]
+    keys = selected.reshape(batch * heads, seq_len, top_k).long()  # [L, S, top_k]: blocks
+    unused = keys < 0
+    keys += row_keys[..., None]  # in place: at 1M tokens every copy is hundreds of MiB
+    keys.masked_fill_(unused, padding)
     unique_keys, inverse = torch.unique(keys.flatten(), sorted=True, return_inverse=True)
     # A token selects a block at most once, so the bits of one key are distinct: adding
     # them is OR-ing them (bit 63 is the sign bit, and no carry ever reaches it).

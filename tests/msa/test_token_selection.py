@@ -134,6 +134,17 @@ def test_select_tokens_reference_brute_force():
         assert torch.equal(selected[0, head], _padded(rows, 3))
 
 
+def test_select_tokens_compile_in_one_graph():
+    torch._dynamo.reset()
+    q_proxy, k_proxy = _inputs(1, 100, 2, 1, 16, seed=8)
+
+    def select(q_proxy, k_proxy):
+        return select_tokens(q_proxy, k_proxy, top_k=3, kv_block=16)
+
+    compiled = torch.compile(select, fullgraph=True, backend="aot_eager")(q_proxy, k_proxy)
+    assert torch.equal(compiled, select(q_proxy, k_proxy))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
