@@ -363,11 +363,23 @@ def _check_selection(selected, seq_len, q_block, kv_block) -> int:
             f"of a tile in an int64), got {q_block}"
         )
     num_kv_blocks = math.ceil(seq_len / kv_block)
-    low, high = (int(value) for value in torch.aminmax(selected))
+    kept = selected >= 0
+    ascending = (selected[..., 1:] > selected[..., :-1]) | ~kept[..., 1:]
+    padding_last = kept[..., :-1] | ~kept[..., 1:]
+    disordered = ~(ascending & padding_last)  # [B, H_p, S, top_k - 1]
+    low, high = torch.aminmax(selected)
+    low, high, any_disordered = torch.stack([low, high, disordered.any()]).tolist()
     if low < -1 or high >= num_kv_blocks:
         raise ValueError(
             f"selected must hold kv blocks in [0, {num_kv_blocks}) (seq_len={seq_len}, "
             f"kv_block={kv_block}) or -1 for padding, got values from {low} to {high}"
+        )
+    if any_disordered:
+        batch, head, token = disordered.any(-1).nonzero()[0].tolist()
+        raise ValueError(
+            f"each row of selected must be ascending without repeats and padded with -1 at "
+            f"the end only (select_tokens' format); batch {batch}, head {head}, token {token} "
+            f"holds {selected[batch, head, token].tolist()}"
         )
     return num_kv_blocks
 
@@ -378,7 +390,8 @@ def token_selection_layout(
     """The blocks a query tile's tokens selected, as the main attention's layout.
 
     Args:
-        selected: int32 [B, H_p, S, top_k] from select_tokens (-1 for padding).
+        selected: int32 [B, H_p, S, top_k] from select_tokens: rows ascending without repeats,
+            padded with -1 at the end (checked, with one read from the device).
         seq_len: S; q_block: query tile size, at most 64; kv_block: the selection's block.
 
     Returns:

@@ -264,9 +264,16 @@ def test_token_selection_layout_rejects_bad_input():
         token_selection_layout(selected, **dict(good, q_block=128))
     with pytest.raises(ValueError, match="q_block must be one of"):
         token_selection_layout(selected, **dict(good, q_block=8))
-    selected[0, 0, 5, 1] = 3
-    with pytest.raises(ValueError, match=r"in \[0, 3\) .* from -1 to 3"):
-        token_selection_layout(selected, **good)
+    for row, match in [
+        ([0, 3], r"in \[0, 3\) .* from -1 to 3"),
+        ([0, 0], r"ascending without repeats .* token 5 holds \[0, 0\]"),
+        ([1, 0], r"token 5 holds \[1, 0\]"),
+        ([-1, 0], r"padded with -1 at the end only"),
+    ]:
+        bad = selected.clone()
+        bad[0, 0, 5] = torch.tensor(row)
+        with pytest.raises(ValueError, match=match):
+            token_selection_layout(bad, **good)
 
 
 # ---- sm_90 code without a GPU ------------------------------------------------------------
