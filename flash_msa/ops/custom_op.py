@@ -180,9 +180,9 @@ def _stacked_layout(size, row_offsets, col_indices, t_row_offsets, t_col_indices
 def _refuse_batched_layout(in_dims) -> None:
     if any(dim is not None for dim in in_dims):
         raise ValueError(
-            "vmap over a layout's tensors, block positions or query masks is not supported: "
-            "vmap over q, k, v (and document ids) with one BlockLayout, one BlockPositions and "
-            "one query_masks tensor, or stack the layouts (patterns.stack)"
+            "vmap over a layout's tensors or block positions (or query masks) is not "
+            "supported: vmap over q, k, v (and document ids) with one BlockLayout, one "
+            "BlockPositions and one query_masks tensor, or stack the layouts (patterns.stack)"
         )
 
 

@@ -167,6 +167,44 @@ def test_matches_dense_reference_on_the_element_mask(backend, name, poisoned_all
     assert bool((lse[empty] == float("-inf")).all())
 
 
+def quarter_words(nnz: int, seed: int) -> torch.Tensor:
+    """int64 [nnz] words of 64 rows whose 16-row quarters are, in a random order per word,
+    all set, random, all unset and all set: query tiles of 16 rows that read different
+    quarters differ in whether they are full."""
+    generator = torch.Generator().manual_seed(seed)
+    kinds = torch.stack([torch.randperm(4, generator=generator) for _ in range(nnz)])
+    kinds = torch.tensor([1, 2, 0, 1])[kinds]  # [nnz, 4]: 0 none, 1 every row, 2 random rows
+    random = torch.rand(nnz, 4, 16, generator=generator) < 0.5
+    bits = torch.where(kinds[..., None] == 2, random, kinds[..., None] == 1).flatten(1)
+    return (bits.long() << torch.arange(64)).sum(1).to(DEVICE)  # [nnz]
+
+
+def test_tiles_of_part_of_a_query_block(poisoned_allocations):
+    """Query tiles of 16 rows in blocks of 64 (as at large head dims): each tile reads its
+    own 16 bits of the word, at its offset in the block, to keep rows and to tell whether it
+    is full."""
+    from flash_msa.ops.triton import attention_backward, attention_forward
+
+    layout = patterns.random_blocks(100, 2, seed=12, q_block=64, kv_block=32, device=DEVICE)
+    words = quarter_words(layout.nnz, seed=12)
+    dense = torch.zeros(layout.num_q_blocks * layout.num_kv_blocks, dtype=torch.int64)
+    dense[layout.keys().cpu()] = words.cpu()
+    bits = (dense.view(1, -1, 1, layout.num_kv_blocks) >> torch.arange(64)[:, None]) & 1
+    selection = bits.flatten(1, 2).bool()[:, :100]  # [1, S, num_kv_blocks]
+    tensors = random_qkv(1, 100, 2, 16, heads_kv=1, device=DEVICE, seed=12)
+    masks = registry.QueryMasks(words, words[layout.transpose_entries()])
+    options = dict(causal=False, window_size=(-1, -1), softmax_scale=16**-0.5, query_masks=masks)
+    out, lse = attention_forward(*tensors, layout, query_rows=16, **options)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    grads = attention_backward(grad_out, *tensors, out, lse, layout, dq_query_rows=16,
+                               dkdv_query_rows=16, **options)  # fmt: skip
+    reference, _ = expected(*tensors, element_mask(selection, layout, 1, 2), grad_out)
+    for label, got, exact in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                 reference, strict=True):  # fmt: skip
+        error = relative_error(got, exact)
+        assert error < TOLERANCE["triton"], f"{label}: relative error {error:.3g}"
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_all_ones_words_equal_no_masks(backend, poisoned_allocations):
     """Every bit set (padding rows of the ragged last block too) is the call without masks:
@@ -255,3 +293,56 @@ def test_bad_query_masks():
     q, k, v = random_qkv(1, 256, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"q_block <= 64 \(one 64-bit word.*got q_block=128"):
         call(torch.zeros(wide.nnz, dtype=torch.int64, device=DEVICE), wide)
+
+
+def per_batch_problem(seed: int):
+    """A per-batch-element, per-kv-head selection over S = 90 and its inputs (B = 2)."""
+    selection = random_selection(4, 90, 16, 3, seed)
+    layout, query_masks = layout_and_masks(selection, 32, 16, 2, seed)
+    q, k, v = random_qkv(2, 90, 4, 16, heads_kv=2, dtype=torch.float64, device=DEVICE, seed=seed)
+    return layout, query_masks, (q, k, v)
+
+
+def test_vmap_passes_query_masks_through():
+    """vmap folds its dimension into the batch: a per-batch layout and its words repeat."""
+    layout, query_masks, _ = per_batch_problem(seed=7)
+    inputs = [random_qkv(2, 90, 4, 16, heads_kv=2, dtype=torch.float64, device=DEVICE, seed=s)
+              for s in (7, 8, 9)]  # fmt: skip
+    q, k, v = (torch.stack([qkv[i] for qkv in inputs]) for i in range(3))
+
+    def attention(q, k, v):
+        return block_sparse_attn_func(q, k, v, layout, causal=True, backend="torch",
+                                      query_masks=query_masks)  # fmt: skip
+
+    out = torch.func.vmap(attention)(q, k, v)
+    for index in range(3):
+        assert relative_error(out[index], attention(q[index], k[index], v[index])) < 1e-12
+
+
+def test_vmap_over_query_masks_is_refused():
+    layout, query_masks, (q, k, v) = per_batch_problem(seed=10)
+
+    def attention(query_masks):
+        return block_sparse_attn_func(q, k, v, layout, causal=True, backend="torch",
+                                      query_masks=query_masks)  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"vmap over a layout's tensors .*\(or query masks\)"):
+        torch.func.vmap(attention)(query_masks.expand(2, -1))
+
+
+def test_compiled_call_with_query_masks_matches_eager():
+    """torch.compile(fullgraph=True) traces a call with query masks, forward and backward."""
+    torch._dynamo.reset()
+    layout, query_masks, tensors = per_batch_problem(seed=11)
+    q, k, v = (t.requires_grad_() for t in tensors)
+
+    def attention(q, k, v):
+        return block_sparse_attn_func(q, k, v, layout, causal=True, backend="torch",
+                                      query_masks=query_masks)  # fmt: skip
+
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")(q, k, v)
+    eager = attention(q, k, v)
+    assert relative_error(compiled, eager) < 1e-12
+    grads = torch.autograd.grad(compiled.sum(), (q, k, v))
+    for grad, exact in zip(grads, torch.autograd.grad(eager.sum(), (q, k, v)), strict=True):
+        assert relative_error(grad, exact) < 1e-12

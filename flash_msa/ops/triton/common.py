@@ -210,7 +210,7 @@ def query_mask_word(query_masks, entry, HAS_QUERY_MASKS: tl.constexpr):
     block), one load per block; without query masks 0, never read."""
     if HAS_QUERY_MASKS:
         return tl.load(query_masks + entry)
-    return 0
+    return tl.full([], 0, tl.int64)
 
 
 @triton.jit
