@@ -34,6 +34,7 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout, check_block_size
+from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows, strides
 from flash_msa.sequences import check_document_ids
 
@@ -198,16 +199,6 @@ def _pack(group: int) -> int:
     return min(group & -group, MAX_PACK)
 
 
-def _slots(top_k: int) -> int:
-    """Width of the running top-k tile: a power of two (tl.sort's), at least 2."""
-    return max(2, triton.next_power_of_2(top_k))
-
-
-def _check_top_k(top_k) -> None:
-    if type(top_k) is not int or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-
-
 def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale) -> None:
     """Validate select_tokens' tensors and options (TypeError / ValueError naming them)."""
     for name, tensor in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
@@ -237,19 +228,13 @@ def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale) -> None:
             f"proxy heads H_p = {q_shape[2]} must be a multiple of proxy key heads "
             f"H_pk = {k_shape[2]}"
         )
-    _check_top_k(top_k)
+    if type(top_k) is not int or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     check_block_size("kv_block", kv_block)
-    if proxy_softmax_scale is not None and not (
-        isinstance(proxy_softmax_scale, (int, float))
-        and not isinstance(proxy_softmax_scale, bool)
-        and proxy_softmax_scale > 0
-    ):
-        raise ValueError(
-            f"proxy_softmax_scale must be a positive float or None, got {proxy_softmax_scale!r}"
-        )
+    check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
 
 
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     """int32 [B, S]: the first position of each token's document (document_ids [B, S],
     non-decreasing along S)."""
     positions = torch.arange(document_ids.shape[1], device=document_ids.device)
@@ -283,8 +268,8 @@ def _select_tokens(
         document_starts=selected if starts is None else starts,
         stride_doc_b=0 if document_ids is None else document_ids.stride(0), seq_len=seq_len,
         proxy_group=group, HEAD_DIM=dim, HEAD_DIM_PAD=_env.head_dim_pad(dim), KV_BLOCK=kv_block,
-        PACK=pack, TOP_K=kept, SLOTS=_slots(kept), DOT_PRECISION=_env.dot_precision(q_proxy.dtype),
-        HAS_DOCUMENTS=document_ids is not None,
+        PACK=pack, TOP_K=kept, SLOTS=triton.next_power_of_2(kept),
+        DOT_PRECISION=_env.dot_precision(q_proxy.dtype), HAS_DOCUMENTS=document_ids is not None,
     )  # fmt: skip
 
 
@@ -331,7 +316,7 @@ def select_tokens(
     if document_ids is not None:
         check_document_ids(document_ids, batch, seq_len, q_proxy.device)
         document_ids = document_ids.to(torch.int32).contiguous()
-        starts = document_starts(document_ids)
+        starts = _document_starts(document_ids)
     selected = torch.empty(batch, heads, seq_len, top_k, dtype=torch.int32, device=q_proxy.device)
     # No token sees more than every block: columns past that are padding.
     kept = min(top_k, math.ceil(seq_len / kv_block))
