@@ -123,12 +123,13 @@ def run_metadata(device: torch.device) -> dict:
     return dict(bench.device_metadata(device), commit=commit(), source_sha256=source_digest())
 
 
-def results_dir(out: str | None, device: torch.device) -> pathlib.Path:
-    """out, or benchmarks/results/<gpu>/ (e.g. h200; cpu on the CPU), created if missing."""
+def results_dir(out: str | None, device: torch.device, suffix: str = "") -> pathlib.Path:
+    """out, or benchmarks/results/<gpu><suffix>/ (e.g. h200, or h200x8 for suffix "x8"; cpu
+    on the CPU), created if missing."""
     if out is None:
         gpu = device.type == "cuda"
         folder = torch.cuda.get_device_name(device).split()[-1].lower() if gpu else "cpu"
-        out = ROOT / "benchmarks" / "results" / folder
+        out = ROOT / "benchmarks" / "results" / f"{folder}{suffix}"
     path = pathlib.Path(out)
     path.mkdir(parents=True, exist_ok=True)
     return path
