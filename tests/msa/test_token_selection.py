@@ -49,10 +49,11 @@ def _documents(batch, seq_len, bounds):
     return document_ids_of(cu_seqlens)[None].expand(batch, -1).to(DEVICE)
 
 
-# (B, S, H_p, H_pk, D_p, kv_block, top_k, document bounds): ragged lengths; tiles of several
-# own blocks (64 tokens, kv_block 16 / 32) and inside one (32 tokens, kv_block 64); packed
-# proxy heads (2 and 4 per key head) and one per key head; a D_p that is no power of two;
-# top_k 1, 3, 4, 5 and 16; documents, one of a single token.
+# (B, S, H_p, H_pk, D_p, kv_block, top_k, document bounds): ragged lengths; tiles (128 rows
+# under the interpreter) of several own blocks (64 or 128 tokens on kv_block 16 or 32) and
+# inside one (32 tokens on kv_block 64 or 128); packed proxy heads (2 and 4 per key head) and
+# one per key head; a D_p that is no power of two; top_k 1, 3, 4, 5 and 16; documents, one
+# of a single token.
 GEOMETRIES = [
     (2, 200, 4, 2, 16, 32, 4, None),
     (1, 333, 4, 1, 24, 64, 3, None),
@@ -60,6 +61,7 @@ GEOMETRIES = [
     (1, 512, 1, 1, 16, 16, 16, None),
     (2, 256, 2, 1, 32, 16, 5, (50, 51, 120, 200)),
     (1, 250, 4, 4, 16, 32, 3, (70, 160)),
+    (1, 400, 4, 1, 16, 128, 3, (150,)),
 ]
 
 
