@@ -8,7 +8,11 @@ the explicit element mask: the torch backend in float64, the Triton kernels (the
 on the CPU) in float32."""
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from flash_msa import BlockLayout, block_sparse_attn_func, block_sparse_attn_var
 from flash_msa.ops import registry
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.sequences import document_ids_of
-from flash_msa.testing import random_qkv, relative_error
+from flash_msa.testing import PTXAS, random_qkv, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 TOLERANCE = {"torch": 1e-12, "triton": 1e-5}  # float64 (sums in another order), float32
@@ -346,3 +350,51 @@ def test_compiled_call_with_query_masks_matches_eager():
     grads = torch.autograd.grad(compiled.sum(), (q, k, v))
     for grad, exact in zip(grads, torch.autograd.grad(eager.sum(), (q, k, v)), strict=True):
         assert relative_error(grad, exact) < 1e-12
+
+
+# Compiles the forward and dK/dV kernels with query masks for sm_90 (argv[1]: a work folder;
+# dQ shares the forward's kv_step) and prints one JSON report per kernel: the interpreter
+# never reaches Triton's GPU code generation.
+SM90_SCRIPT = """
+import json, sys
+from flash_msa.ops.triton import backward, configs, forward
+from flash_msa.testing import compile_for_sm90
+
+D, BLOCK = 64, 64
+TYPES = {name: "*bf16" for name in ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k",
+                                    "grad_v")}
+TYPES.update(lse="*fp32", delta="*fp32", row_offsets="*i32", col_indices="*i32",
+             row_indices="*i32", documents="*i32", tile_order="*i32", qk_scale="fp32",
+             softmax_scale="fp32", dropout_p="fp32", q_block_positions="*i32",
+             kv_block_positions="*i32", query_masks="*i64")
+for name, kernel in (("forward", forward._forward_kernel), ("dkdv", backward._dkdv_kernel)):
+    tile = configs.row_tile(BLOCK, configs.max_query_rows(D, name), 2)
+    launch = configs.Launch(D, tile.rows * tile.pack, 2, False, 232448)
+    config = {"forward": configs.forward_configs,
+              "dkdv": configs.dkdv_configs}[name](launch, BLOCK)[0]
+    constexprs = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, Q_BLOCK=BLOCK, KV_BLOCK=BLOCK, HAS_LEFT=False,
+                      HAS_RIGHT=True, HAS_DOCUMENTS=True, HAS_DROPOUT=False,
+                      HAS_POSITIONS=False, HAS_QUERY_MASKS=True, DOT_PRECISION="tf32",
+                      TMA=False, ROWS=tile.rows, PACK=tile.pack, BLOCK_N=BLOCK)
+    report = compile_for_sm90(kernel, constexprs, TYPES, config.num_warps, config.num_stages,
+                              sys.argv[1])
+    print(json.dumps(dict(report, kernel=name)))
+"""
+
+
+def test_kernels_with_query_masks_compile_for_hopper(tmp_path):
+    """bf16, D = 64, causal with documents and query masks, the first config: the kernels
+    compile for sm_90 (the interpreter does not type-check as the compiler does), on tensor
+    cores, unspilled."""
+    if not os.path.exists(PTXAS):
+        pytest.skip("this Triton build bundles no ptxas")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    result = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [report["kernel"] for report in reports] == ["forward", "dkdv"]
+    for report in reports:
+        assert report["wgmma"], f"{report['kernel']} does not use Hopper tensor cores (wgmma)"
+        assert report["spills"] == 0, f"{report['kernel']} spills {report['spills']} bytes"
