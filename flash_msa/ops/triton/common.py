@@ -173,7 +173,8 @@ def kv_step(
     """One step of a query program along its CSR row: the step's K and V tiles [BLOCK_N, D_PAD],
     its key positions [BLOCK_N] and the masked scores [BLOCK_M, BLOCK_N] in log2 units.
     Keys from position key_end on are masked and read as 0 (see padding_rows); with
-    HAS_QUERY_MASKS, rows (of a tile of ROWS positions) whose bit in the step's pair is unset."""
+    HAS_QUERY_MASKS, every key is masked for the rows (of a tile of ROWS positions) whose bit
+    in the word of the step's block is unset."""
     key_row_first = step_first(col_indices, step, STEPS_PER_BLOCK, KV_BLOCK, BLOCK_N)
     key_rows = key_row_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     key_first, key_positions = global_positions(key_row_first, key_rows, KV_BLOCK,
