@@ -4,11 +4,12 @@ FlexAttention on the same selected blocks, on one GPU.
     python benchmarks/bench_msa.py [--seq-lens 32k,128k,1m] [--out DIR]
 
 bf16, B=1, H_q=64, H_kv=4, D=128; proxy H_p=4, H_pk=1, D_p=128; top_k 16, q_block 64,
-kv_block 128; causal. Per length, msa_func forward + backward (out.backward(dout) and
-kl_loss.backward() in one pass) is timed whole and in parts: selection (block_scores +
-patterns.topk), main attention (block_sparse_attn_func over msa_func's layout, forward +
-backward) and KL (the total minus those two: the KL loss forward + backward and the glue;
-the KL kernels alone, given the main lse, are timed too).
+kv_block 128; causal. Per length and granularity ("token": each query token's blocks;
+"block": one choice per query block), msa_func forward + backward (out.backward(dout) and
+kl_loss.backward() in one pass) is timed whole and in parts: selection (msa.interface.select),
+main attention (block_sparse_attn_func over the selection, forward + backward) and KL (the
+total minus those two: the KL loss forward + backward and the glue; the KL kernels alone,
+given the main lse, are timed too); records carry a `granularity` key.
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
 BlockMask with per-head kv indices [1, H_q, nq, nk] (common.flex_block_mask); where it fails
@@ -45,15 +46,16 @@ from common import (
     write_report,
 )
 
-from flash_msa import block_sparse_attn_func, patterns
-from flash_msa.layout import BlockLayout
-from flash_msa.msa import block_scores, msa_func, proxy_kl_loss
+from flash_msa import block_sparse_attn_func
+from flash_msa.msa import msa_func, proxy_kl_loss
+from flash_msa.msa.interface import GRANULARITIES, MsaSelection, select
 
 HEADS_Q, HEADS_KV, HEADS_PROXY, HEADS_PROXY_KEYS = 64, 4, 4, 1
 PROXY_HEAD_DIM = HEAD_DIM
 TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128
 MSA_OPTIONS = dict(top_k=TOP_K, q_block=Q_BLOCK, kv_block=KV_BLOCK)
 DENSE_MEASURED_UP_TO = 128 * K
+FLEX_TOKEN_MASK_UP_TO = 128 * K  # its per-token mask [H_p, S, nk] bool: 0.5 GiB at 128K
 
 
 def random_inputs(seq_len: int, device) -> dict[str, torch.Tensor]:
@@ -64,72 +66,99 @@ def random_inputs(seq_len: int, device) -> dict[str, torch.Tensor]:
     return random_tensors(seq_len, heads, device=device, requires_grad=grads)
 
 
-def run_msa(seq_len: int, inputs: dict) -> tuple[dict, BlockLayout]:
-    """msa_func forward + backward, whole and split; returns the record and the layout."""
+def token_blocks(selection: MsaSelection, seq_len: int) -> torch.Tensor:
+    """bool [L, S, nk]: the kv blocks each query token of each layout head reads."""
+    layout, words = selection
+    rows = layout.entry_rows()  # [nnz]
+    bits = torch.arange(layout.q_block, device=rows.device)  # [q_block]
+    tokens = (rows % layout.num_q_blocks)[:, None] * layout.q_block + bits  # [nnz, q_block]
+    chosen = tokens < seq_len
+    if words is not None:
+        chosen &= (words[:, None] >> bits & 1).bool()
+    entry = torch.arange(rows.numel(), device=rows.device)[:, None].expand_as(tokens)[chosen]
+    blocks = torch.zeros(layout.num_layouts, seq_len, layout.num_kv_blocks, dtype=torch.bool,
+                         device=rows.device)  # fmt: skip
+    blocks[rows[entry] // layout.num_q_blocks, tokens[chosen],
+           layout.col_indices[entry].long()] = True  # fmt: skip
+    return blocks
+
+
+def attended_pairs(selection: MsaSelection, seq_len: int) -> int:
+    """The (query, key) pairs, key <= query, the main attention computes per layout head."""
+    layout = selection.layout
+    blocks = token_blocks(selection, seq_len)  # [L, S, nk]
+    tokens = torch.arange(seq_len, device=blocks.device)[:, None]  # [S, 1]
+    first_keys = torch.arange(layout.num_kv_blocks, device=blocks.device) * layout.kv_block
+    visible = (tokens - first_keys + 1).clamp(0, layout.kv_block)  # [S, nk]
+    return int((blocks * visible).sum())
+
+
+def run_msa(seq_len: int, inputs: dict, granularity: str) -> tuple[dict, MsaSelection]:
+    """msa_func forward + backward, whole and split; returns the record and the selection."""
     leaves = [inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v")]
     q_proxy, k_proxy, q, k, v = leaves
     dout = inputs["dout"]
+    options = dict(**MSA_OPTIONS, granularity=granularity)
+    scale = HEAD_DIM**-0.5
 
     def step():
-        out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, **MSA_OPTIONS)
+        out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, **options)
         torch.autograd.backward([out, kl_loss], [dout, None])
 
-    def scores():
-        return block_scores(q_proxy, k_proxy, q_block=Q_BLOCK, kv_block=KV_BLOCK)
-
     def selection():
-        return patterns.topk(
-            scores(),
-            TOP_K,
-            seq_len_q=seq_len,
-            q_block=Q_BLOCK,
-            kv_block=KV_BLOCK,
-            fixed_counts=True,
-        )
+        return select(
+            q_proxy, k_proxy, **options, proxy_softmax_scale=scale, warmup=False,
+            document_ids=None, cu_seqlens=None,
+        )  # fmt: skip
 
     total = timed(step, leaves)
     with torch.no_grad():
-        scores_ms = timed(scores)["ms"]
         selection_ms = timed(selection)["ms"]
-        layout = msa_func(q_proxy, k_proxy, q, k, v, **MSA_OPTIONS, return_layout=True)[2]
+        chosen = selection()
     free_memory()
+    layout, query_masks = chosen
     main_ms = timed(
-        lambda: block_sparse_attn_func(q, k, v, layout, causal=True).backward(dout), [q, k, v]
+        lambda: block_sparse_attn_func(
+            q, k, v, layout, causal=True, query_masks=query_masks
+        ).backward(dout),
+        [q, k, v],
     )["ms"]
     with torch.no_grad():
-        lse = block_sparse_attn_func(q, k, v, layout, causal=True, return_lse=True)[1]
-    scale = HEAD_DIM**-0.5
+        lse = block_sparse_attn_func(
+            q, k, v, layout, causal=True, return_lse=True, query_masks=query_masks
+        )[1]
     kl_kernels_ms = timed(
         lambda: proxy_kl_loss(
-            q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale, proxy_softmax_scale=scale
+            q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale, proxy_softmax_scale=scale,
+            query_masks=query_masks,
         ).backward(),
         [q_proxy, k_proxy],
-    )["ms"]
+    )["ms"]  # fmt: skip
     # Each layout head serves H_q / H_p query heads; 3.5x the forward for forward + backward.
-    main_flops = 3.5 * layout.flops(HEAD_DIM) * (HEADS_Q // HEADS_PROXY)
-    score_flops = 2 * PROXY_HEAD_DIM * HEADS_PROXY * seq_len * (seq_len + 1) / 2
+    pairs = attended_pairs(chosen, seq_len)
+    main_flops = 3.5 * 4 * HEAD_DIM * pairs * (HEADS_Q // HEADS_PROXY)
     record = dict(
         seq_len=seq_len,
         impl="flash_msa",
+        granularity=granularity,
         fwd_bwd_ms=round(total["ms"], 4),
         selection_ms=round(selection_ms, 4),
-        block_scores_ms=round(scores_ms, 4),
         main_attention_ms=round(main_ms, 4),
         kl_ms=round(total["ms"] - selection_ms - main_ms, 4),
         kl_kernels_ms=round(kl_kernels_ms, 4),
-        block_scores_tflops=round(score_flops / scores_ms / 1e9, 1),
         main_attention_tflops=round(main_flops / main_ms / 1e9, 1),
+        attended_pairs=pairs,
         density=layout.density,
         peak_gib=round(total["peak_gib"], 3),
     )
     print(
-        f"S={seq_len:>8,} flash_msa  total {record['fwd_bwd_ms']:9.3f} ms = selection "
-        f"{selection_ms:.3f} (block_scores {scores_ms:.3f}, {record['block_scores_tflops']} "
-        f"TF/s) + main {main_ms:.3f} ({record['main_attention_tflops']} TF/s) + KL "
-        f"{record['kl_ms']:.3f} (kernels {kl_kernels_ms:.3f}); peak {record['peak_gib']:.2f} GiB",
+        f"S={seq_len:>8,} flash_msa {granularity:5s} total {record['fwd_bwd_ms']:9.3f} ms = "
+        f"selection {selection_ms:.3f} + main {main_ms:.3f} "
+        f"({record['main_attention_tflops']} TF/s) + KL {record['kl_ms']:.3f} (kernels "
+        f"{kl_kernels_ms:.3f}); peak {record['peak_gib']:.2f} GiB",
         flush=True,
     )
-    return record, layout
+    return record, chosen
 
 
 def cudnn_dense_ms(seq_len: int, device) -> tuple[float, str]:
@@ -206,11 +235,14 @@ def flex_tiles_dividing_blocks():
     return tiles
 
 
-def flex_fwd_bwd(inputs: dict, layout: BlockLayout) -> tuple[dict, float]:
-    """Compiled FlexAttention fwd+bwd over layout, and the relative difference of its output
-    from block_sparse_attn_func's."""
+def flex_fwd_bwd(inputs: dict, selection: MsaSelection) -> tuple[dict, float]:
+    """Compiled FlexAttention fwd+bwd over the selection (per-token ones through a mask_mod
+    reading each token's blocks), and the relative difference of its output from
+    block_sparse_attn_func's."""
     q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
-    block_mask = flex_block_mask(layout, HEADS_Q)
+    layout, query_masks = selection
+    chosen = None if query_masks is None else token_blocks(selection, q.shape[1])
+    block_mask = flex_block_mask(layout, HEADS_Q, token_blocks=chosen)
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
     flex = compiled_flex()
 
@@ -225,23 +257,32 @@ def flex_fwd_bwd(inputs: dict, layout: BlockLayout) -> tuple[dict, float]:
     for tensor in (q, k, v):
         tensor.grad = None
     with torch.no_grad():
-        difference = relative_difference(out, block_sparse_attn_func(q, k, v, layout, causal=True))
+        ours = block_sparse_attn_func(q, k, v, layout, causal=True, query_masks=query_masks)
+        difference = relative_difference(out, ours)
     del out
     free_memory()
     return timed(lambda: forward().backward(dout), [q, k, v]), difference
 
 
-def run_flex(seq_len: int, inputs: dict, layout: BlockLayout, main_ms: float) -> dict:
-    """FlexAttention on flash_msa's layout; recorded with its error when it fails (at 1M its
-    per-head block indices alone take 32 GiB each)."""
-    record = dict(seq_len=seq_len, impl="flex")
+def run_flex(seq_len: int, inputs: dict, selection: MsaSelection, granularity: str,
+             main_ms: float) -> dict:  # fmt: skip
+    """FlexAttention on flash_msa's selection; recorded with its error when it fails (at 1M
+    its per-head block indices alone take 32 GiB each)."""
+    record = dict(seq_len=seq_len, impl="flex", granularity=granularity)
+    if granularity == "token" and seq_len > FLEX_TOKEN_MASK_UP_TO:
+        record["error"] = (
+            f"not run: the per-token mask [H_p, S, S / {KV_BLOCK}] bool takes "
+            f"{HEADS_PROXY * seq_len * seq_len // KV_BLOCK / 2**30:.0f} GiB"
+        )
+        print(f"S={seq_len:>8,} flex       {record['error']}", flush=True)
+        return record
     try:
-        timing, difference = flex_fwd_bwd(inputs, layout)
+        timing, difference = flex_fwd_bwd(inputs, selection)
     except Exception as error:  # the peer's failure (memory, compilation) is recorded, not fatal
         timing, record["error"] = None, failure(error)
     free_memory()  # after the except block: its traceback no longer holds the tensors
     if timing is None:
-        print(f"S={seq_len:>8,} flex       failed: {record['error']}", flush=True)
+        print(f"S={seq_len:>8,} flex {granularity:5s} failed: {record['error']}", flush=True)
         return record
     record.update(
         fwd_bwd_ms=round(timing["ms"], 4),
@@ -249,27 +290,31 @@ def run_flex(seq_len: int, inputs: dict, layout: BlockLayout, main_ms: float) ->
         peak_gib=round(timing["peak_gib"], 3),
     )
     print(
-        f"S={seq_len:>8,} flex       total {timing['ms']:9.3f} ms (main attention only; "
+        f"S={seq_len:>8,} flex {granularity:5s} total {timing['ms']:9.3f} ms (main attention; "
         f"flash_msa's {main_ms:.3f}), rel. diff. {difference:.1e}",
         flush=True,
     )
     return record
 
 
-def run_length(seq_len: int, device, dense_measured: dict) -> list[dict]:
-    dense = run_dense(seq_len, device, dense_measured)
+def run_length(seq_len: int, device, dense_measured: dict, granularities) -> list[dict]:
+    records = [run_dense(seq_len, device, dense_measured)]
     inputs = random_inputs(seq_len, device)
-    msa, layout = run_msa(seq_len, inputs)
-    free_memory()
-    flex = run_flex(seq_len, inputs, layout, msa["main_attention_ms"])
-    del inputs, layout
-    free_memory()
-    return [msa, flex, dense]
+    for granularity in granularities:
+        msa, selection = run_msa(seq_len, inputs, granularity)
+        free_memory()
+        flex = run_flex(seq_len, inputs, selection, granularity, msa["main_attention_ms"])
+        del selection
+        free_memory()
+        records += [msa, flex]
+    return records
 
 
-def msa_cells(impls: dict[str, dict]) -> list:
-    """One length's row: flash_msa's parts, flex on the same blocks, dense cuDNN."""
-    msa, flex, dense = impls["flash_msa"], impls.get("flex", {}), impls.get("sdpa_cudnn")
+def msa_cells(impls: dict[str, dict], granularity: str) -> list:
+    """One length and granularity's row: flash_msa's parts, flex on the same selection,
+    dense cuDNN."""
+    msa, flex = impls[("flash_msa", granularity)], impls.get(("flex", granularity), {})
+    dense = impls.get(("sdpa_cudnn", None))
     if "fwd_bwd_ms" in flex:
         flex_ms = f"{flex['fwd_bwd_ms']:.3f}"
         versus_flex = f"{flex['fwd_bwd_ms'] / msa['main_attention_ms']:.2f}x"
@@ -282,9 +327,9 @@ def msa_cells(impls: dict[str, dict]) -> list:
         speedup = f"{dense['fwd_bwd_ms'] / msa['fwd_bwd_ms']:.1f}x"
     return [
         f"{msa['seq_len']:,}",
+        granularity,
         f"{msa['fwd_bwd_ms']:.3f}",
         f"{msa['selection_ms']:.3f}",
-        msa["block_scores_tflops"],
         f"{msa['main_attention_ms']:.3f}",
         msa["main_attention_tflops"],
         f"{msa['kl_ms']:.3f}",
@@ -299,12 +344,18 @@ def msa_cells(impls: dict[str, dict]) -> list:
 def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     by_length: dict[int, dict] = {}
     for record in records:
-        by_length.setdefault(record["seq_len"], {})[record["impl"]] = record
-    columns = ["S", "flash_msa ms", "selection ms", "block_scores TFLOP/s", "main attention ms",
+        key = (record["impl"], record.get("granularity"))
+        by_length.setdefault(record["seq_len"], {})[key] = record
+    columns = ["S", "granularity", "flash_msa ms", "selection ms", "main attention ms",
                "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
                "main speed-up vs flex (flex ms / main ms)", "cuDNN dense ms",
                "speed-up vs dense cuDNN (cuDNN ms / flash_msa ms)"]  # fmt: skip
-    rows = [(impls["flash_msa"], msa_cells(impls)) for impls in by_length.values()]
+    rows = [
+        (impls[("flash_msa", granularity)], msa_cells(impls, granularity))
+        for impls in by_length.values()
+        for granularity in GRANULARITIES
+        if ("flash_msa", granularity) in impls
+    ]
     write_report(
         out_dir,
         "msa",
@@ -313,10 +364,13 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         title="MSA training step: selection, main attention, KL",
         notes=f"bf16, B=1, H_q={HEADS_Q}, H_kv={HEADS_KV}, D={HEAD_DIM}; proxy H_p={HEADS_PROXY}, "
         f"H_pk={HEADS_PROXY_KEYS}, D_p={PROXY_HEAD_DIM}; top_k {TOP_K}, q_block {Q_BLOCK}, "
-        f"kv_block {KV_BLOCK}; causal. Forward + backward ms, medians of do_bench. KL = total "
-        "minus selection and main attention. Flex runs the main attention only, on the same "
-        "blocks, with tiles of 32 and 64 query rows. Dense figures marked * are estimated "
-        "from 128K (x (S / 128K)^2).",
+        f"kv_block {KV_BLOCK}; causal. Granularity token: each query token's own blocks "
+        "(MiniMax's); block: one choice per 64-query block. Forward + backward ms, medians of "
+        "do_bench. KL = total minus selection and main attention. Main TFLOP/s over the "
+        "(query, key <= query) pairs the selection holds. Flex runs the main attention only, "
+        "on the same selection (per token: a mask_mod reading each token's blocks, every "
+        "block partial), with tiles of 32 and 64 query rows. Dense figures marked * are "
+        "estimated from 128K (x (S / 128K)^2).",
         body=markdown_table(columns, rows),
     )
 
@@ -326,8 +380,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seq-lens", default="32k,128k,1m", help="e.g. 32k,128k,1m")
+    parser.add_argument("--granularities", default=",".join(GRANULARITIES))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    granularities = args.granularities.split(",")
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
@@ -335,7 +391,10 @@ def main() -> None:
     records = kept_records(out_dir / "msa.json", operator.itemgetter("seq_len"), seq_lens)
     dense_measured = {}
     for seq_len in seq_lens:
-        records += [{**record, **meta} for record in run_length(seq_len, device, dense_measured)]
+        records += [
+            {**record, **meta}
+            for record in run_length(seq_len, device, dense_measured, granularities)
+        ]
         records.sort(key=lambda record: record["seq_len"])
         write_reports(records, meta, out_dir)  # partial results survive a timeout
     print(f"wrote {out_dir}/msa.json and msa.md")

@@ -166,14 +166,21 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_block_mask(layout: BlockLayout, heads_q: int, document_ids: torch.Tensor | None = None):
+def flex_block_mask(
+    layout: BlockLayout,
+    heads_q: int,
+    document_ids: torch.Tensor | None = None,
+    token_blocks: torch.Tensor | None = None,
+):
     """The layout as a FlexAttention BlockMask of the same (q_block, kv_block) tiles under a
     causal mask_mod (and, with document_ids int [S], one of a single document): the blocks
     holding the causal diagonal or a document boundary are partial (mask_mod applied), the
     others full (no mask work), the split create_block_mask makes and FlashAttention-4's
     FLASH backend requires (it refuses partial blocks alone). Indices [B, H, nq, nk] with
     B = layout_batch and H = 1 for a shared layout, else H_q (query head h reads layout
-    head h // (H_q / layout_heads))."""
+    head h // (H_q / layout_heads)). token_blocks, bool [layout_heads, S, nk] (layout_batch 1):
+    per query token the kv blocks it reads (MSA's per-token selection): every block is partial
+    and the mask_mod reads it."""
     from torch.nn.attention.flex_attention import BlockMask
 
     device, num_rows = layout.device, layout.num_layouts * layout.num_q_blocks
@@ -212,6 +219,15 @@ def flex_block_mask(layout: BlockLayout, heads_q: int, document_ids: torch.Tenso
     def causal_documents(batch, head, q_index, kv_index):
         return (q_index >= kv_index) & (document_ids[q_index] == document_ids[kv_index])
 
+    mask_mod = causal if document_ids is None else causal_documents
+    if token_blocks is not None:
+        group = heads_q // token_blocks.shape[0]
+        partial = torch.ones_like(partial)
+
+        def mask_mod(batch, head, q_index, kv_index):
+            chosen = token_blocks[head // group, q_index, kv_index // layout.kv_block]
+            return (q_index >= kv_index) & chosen
+
     partial_counts, partial_indices = ordered(partial)
     full_counts, full_indices = ordered(~partial)
     return BlockMask.from_kv_blocks(
@@ -220,7 +236,7 @@ def flex_block_mask(layout: BlockLayout, heads_q: int, document_ids: torch.Tenso
         full_counts,
         full_indices,
         BLOCK_SIZE=(layout.q_block, layout.kv_block),
-        mask_mod=causal if document_ids is None else causal_documents,
+        mask_mod=mask_mod,
         seq_lengths=(layout.seq_len_q, layout.seq_len_kv),
     )
 

@@ -247,12 +247,19 @@ class BlockLayout:
             self._transpose_entries = self._transposed_keys().argsort()  # keys are unique
         return self._transpose_entries
 
-    def attach_transpose(self, row_offsets: torch.Tensor, col_indices: torch.Tensor) -> BlockLayout:
-        """Adopt an already computed CSC form (the tensors of a transpose() result)."""
+    def attach_transpose(
+        self,
+        row_offsets: torch.Tensor,
+        col_indices: torch.Tensor,
+        entries: torch.Tensor | None = None,
+    ) -> BlockLayout:
+        """Adopt an already computed CSC form (the tensors of a transpose() result) and,
+        optionally, its transpose_entries()."""
         transposed = BlockLayout(
             row_offsets, col_indices, **self._transposed_meta(), validate=False
         )
         self._transposed, transposed._transposed = transposed, self
+        self._transpose_entries = entries
         return self
 
     SIZES = ("seq_len_q", "seq_len_kv", "q_block", "kv_block", "layout_batch", "layout_heads")

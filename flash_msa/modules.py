@@ -10,6 +10,7 @@ from torch import nn
 from flash_msa import distributed, patterns
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
+from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -166,8 +167,9 @@ class MSAAttention(_ProjectedAttention):
     [B, S, num_kv_heads, D], q_proxy [B, S, num_proxy_heads, proxy_head_dim] and k_proxy
     [B, S, num_proxy_kv_heads, proxy_head_dim]; rotary embeddings (base rope_base) rotate all
     four by position. Each proxy head picks top_k key blocks (of kv_block positions) for every
-    query block (of q_block positions) of its num_heads / num_proxy_heads query heads, and the
-    main attention, always causal, runs over those blocks only.
+    query token (granularity "token", MiniMax's; "block": one choice per query block of
+    q_block positions, cheaper and coarser) of its num_heads / num_proxy_heads query heads, and
+    the main attention, always causal, runs over those blocks only.
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
     projection learns from kl_loss alone (it reads x detached), and kl_loss sends no gradient
@@ -193,6 +195,7 @@ class MSAAttention(_ProjectedAttention):
         top_k: int = 16,
         q_block: int = 64,
         kv_block: int = 128,
+        granularity: str = "token",
         rope_base: float = 10000.0,
         bias: bool = False,
         cp_group=None,
@@ -200,6 +203,8 @@ class MSAAttention(_ProjectedAttention):
         dtype=None,
     ):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
+        if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
             proxy_head_dim=proxy_head_dim,
@@ -229,11 +234,16 @@ class MSAAttention(_ProjectedAttention):
                 f"q_block {q_block} must be <= kv_block {kv_block}: each query block must lie "
                 "inside one kv block, its diagonal"
             )
+        if granularity == "token" and q_block > MAX_MASK_QUERIES:
+            raise ValueError(
+                f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got {q_block}"
+            )
         if not rope_base > 1:
             raise ValueError(f"rope_base must be > 1, got {rope_base!r}")
         self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads
         self.proxy_head_dim, self.rope_base = proxy_head_dim, rope_base
         self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block
+        self.granularity = granularity
         proxy_dim = (num_proxy_heads + num_proxy_kv_heads) * proxy_head_dim
         self.proxy_proj = nn.Linear(embed_dim, proxy_dim, bias=bias, device=device, dtype=dtype)
         self.cp_group = cp_group
@@ -284,6 +294,7 @@ class MSAAttention(_ProjectedAttention):
             out, kl_loss = distributed.msa_func_cp(
                 q_proxy, k_proxy, q, k, v, cp_plan, group=self.cp_group, top_k=self.top_k,
                 q_block=self.q_block, kv_block=self.kv_block, warmup=warmup,
+                granularity=self.granularity,
             )  # fmt: skip
         return self.out_proj(out.reshape(batch, seq_len, -1)), kl_loss
 
@@ -307,4 +318,5 @@ class MSAAttention(_ProjectedAttention):
             q_block=self.q_block,
             kv_block=self.kv_block,
             warmup=warmup,
+            granularity=self.granularity,
         )

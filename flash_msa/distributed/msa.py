@@ -20,8 +20,9 @@ from flash_msa.distributed import comm
 from flash_msa.distributed.plan import CpPlan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.msa.block_scores import block_scores
-from flash_msa.msa.interface import check_msa_inputs
+from flash_msa.msa.interface import MsaSelection, check_msa_inputs
 from flash_msa.msa.kl import proxy_kl_loss
+from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
@@ -53,12 +54,24 @@ def _over_buffer(layout: BlockLayout, rows: int) -> BlockLayout:
     )
 
 
-def _rank_layout(plan, q_blocks, q_proxy, k_proxy_all, top_k, scale, document_ids):
+def _rank_selection(
+    plan, q_blocks, q_proxy, k_proxy_all, top_k, scale, document_ids, granularity
+) -> MsaSelection:
     """The rank's rows of MSA's selection (no gradient): columns global kv blocks."""
     layout = plan.layout
     seq_len = layout.seq_len_kv
     blocks = dict(q_block=layout.q_block, kv_block=layout.kv_block)
     with torch.no_grad():
+        if granularity == "token":
+            selected = select_tokens(
+                q_proxy, k_proxy_all, top_k=top_k, kv_block=layout.kv_block,
+                document_ids=document_ids, q_blocks=q_blocks, q_block=layout.q_block,
+            )  # fmt: skip
+            return MsaSelection(
+                *token_selection_layout(
+                    selected, seq_len=q_proxy.shape[1], **blocks, seq_len_kv=seq_len
+                )
+            )
         scores = block_scores(
             q_proxy, k_proxy_all, **blocks, proxy_softmax_scale=scale,
             document_ids=document_ids, q_blocks=q_blocks,
@@ -67,7 +80,7 @@ def _rank_layout(plan, q_blocks, q_proxy, k_proxy_all, top_k, scale, document_id
             scores, top_k, seq_len_q=q_proxy.shape[1], seq_len_kv=seq_len, **blocks,
             fixed_counts=True, q_blocks=q_blocks,
         )  # fmt: skip
-    return selected
+    return MsaSelection(selected, None)
 
 
 def msa_func_cp(
@@ -86,6 +99,7 @@ def msa_func_cp(
     proxy_softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     warmup: bool = False,
+    granularity: str = "token",
 ):
     """msa_func over a sequence sharded across the ranks of `group`.
 
@@ -95,7 +109,8 @@ def msa_func_cp(
             plan.token_index(rank) order.
         plan: cp_plan of patterns.causal(S, q_block=q_block, kv_block=kv_block) for the
             group's size ("headtail" balances MSA's scoring, which grows with position).
-        top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup: as msa_func.
+        top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup, granularity:
+            as msa_func.
         cu_seqlens: int32 [N + 1], the documents packed in every row of the whole
             sequence (the same on every rank; ends at S): nothing crosses a document.
 
@@ -110,7 +125,7 @@ def msa_func_cp(
         >>> out, kl = msa_func_cp(*(t[:, index] for t in (qp, kp, q, k, v)), plan)
     """
     check_msa_inputs(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale,
-                     None)  # fmt: skip
+                     None, granularity)  # fmt: skip
     _check_plan(plan, q_block, kv_block)
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
@@ -130,11 +145,12 @@ def msa_func_cp(
     q_blocks = plan.query_blocks(rank)
     k_proxy_all, k_all, v_all = (comm.gather_sequence(t, plan, group) for t in (k_proxy, k, v))
     if warmup:
-        layout = plan.local_layout(rank)
+        layout, query_masks = plan.local_layout(rank), None
     else:
-        layout = _rank_layout(plan, q_blocks, q_proxy, k_proxy_all, top_k, proxy_scale,
-                              document_ids)  # fmt: skip
-    if cu_seqlens is not None:  # nothing crosses a document: cut the blocks that would
+        layout, query_masks = _rank_selection(
+            plan, q_blocks, q_proxy, k_proxy_all, top_k, proxy_scale, document_ids, granularity
+        )
+    if cu_seqlens is not None and query_masks is None:  # cut blocks that cross a document
         documents = patterns.causal(
             seq_len, q_block=q_block, kv_block=kv_block, device=q.device, cu_seqlens=cu_seqlens
         )
@@ -147,11 +163,12 @@ def msa_func_cp(
     out, lse = block_sparse_attn_func(
         q, keys, values, _over_buffer(layout, keys.shape[1]), causal=True,
         softmax_scale=scale, return_lse=True, document_ids=document_ids, positions=positions,
+        query_masks=query_masks,
     )  # fmt: skip
     kl_sum = proxy_kl_loss(
         q_proxy, k_proxy_all, q, k_all, lse, layout, softmax_scale=scale,
         proxy_softmax_scale=proxy_scale, document_ids=document_ids, q_blocks=q_blocks,
-        reduction="sum",
+        query_masks=query_masks, reduction="sum",
     )  # fmt: skip
     terms = q.shape[0] * seq_len * q_proxy.shape[2]  # (batch, token, proxy head)
     return out, comm.sum_across_ranks(kl_sum, group) / terms

@@ -25,11 +25,11 @@ v_proj) a proxy projection and runs its attention on flash_msa.msa_func:
   on the full causal context, as the MSA paper does before sparse training; False (the
   state after conversion) attends over the selected blocks.
 
-The settings (top_k, num_proxy_heads, proxy_head_dim, q_block, kv_block, rope_base and the
-warm-up flag) live in the model config's `flash_msa_msa` entry and the proxy weights in the
-state dict, so save_pretrained writes both; load_msa_model(path) builds the model with its
-proxy projections before from_pretrained fills them in, and the loaded model computes the
-same logits. A plain from_pretrained drops the proxy weights.
+The settings (top_k, num_proxy_heads, proxy_head_dim, q_block, kv_block, granularity,
+rope_base and the warm-up flag) live in the model config's `flash_msa_msa` entry and the
+proxy weights in the state dict, so save_pretrained writes both; load_msa_model(path) builds
+the model with its proxy projections before from_pretrained fills them in, and the loaded
+model computes the same logits. A plain from_pretrained drops the proxy weights.
 
 Packed documents (position_ids that restart, or DataCollatorWithFlattening's cu_seq_lens_q)
 become msa_func's cu_seqlens; a batch of several rows holding documents runs as one packed
@@ -60,6 +60,7 @@ from flash_msa.integrations.transformers import (
 from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
+from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
@@ -72,6 +73,7 @@ SETTINGS = (
     "proxy_head_dim",
     "q_block",
     "kv_block",
+    "granularity",
     "rope_base",
     "warmup",
 )
@@ -132,6 +134,15 @@ def _check_settings(settings: dict) -> None:
         raise ValueError(
             f"q_block {settings['q_block']} must be <= kv_block {settings['kv_block']}: each "
             "query block must lie inside one kv block, its diagonal"
+        )
+    if settings["granularity"] not in GRANULARITIES:
+        raise ValueError(
+            f"granularity must be one of {GRANULARITIES}, got {settings['granularity']!r}"
+        )
+    if settings["granularity"] == "token" and settings["q_block"] > MAX_MASK_QUERIES:
+        raise ValueError(
+            f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got "
+            f"{settings['q_block']}"
         )
     rope_base = settings["rope_base"]
     if not isinstance(rope_base, (int, float)) or isinstance(rope_base, bool) or rope_base <= 1:
@@ -215,6 +226,7 @@ def convert_to_msa(
     proxy_head_dim: int = 128,
     q_block: int = 64,
     kv_block: int = 128,
+    granularity: str = "token",
 ):
     """Give every attention layer of a loaded transformers model a proxy projection and run
     its attention on msa_func (in place; the module docstring has the details).
@@ -227,11 +239,13 @@ def convert_to_msa(
     Args:
         model: a transformers PreTrainedModel (Llama, Qwen2, Mistral, ...) whose attention
             layers have q_proj, k_proj and v_proj and call transformers' AttentionInterface.
-        top_k: key blocks per (query block, proxy head), the diagonal one included.
+        top_k: key blocks per (token, proxy head), its own block included.
         num_proxy_heads: proxy query heads per layer; it must divide the query heads and be
             a multiple of the key-value heads. One proxy key head serves them all.
         proxy_head_dim: the proxy heads' dim (even: rotary embeddings rotate pairs).
         q_block, kv_block: msa_func's block sizes, q_block <= kv_block (MiniMax: 64 and 128).
+        granularity: msa_func's: "token" (each token's own blocks, MiniMax's) or "block"
+            (one choice per query block, cheaper).
 
     Returns:
         The model, converted.
@@ -252,7 +266,8 @@ def convert_to_msa(
         )
     settings = dict(
         top_k=top_k, num_proxy_heads=num_proxy_heads, proxy_head_dim=proxy_head_dim,
-        q_block=q_block, kv_block=kv_block, rope_base=_rope_base(model.config), warmup=False,
+        q_block=q_block, kv_block=kv_block, granularity=granularity,
+        rope_base=_rope_base(model.config), warmup=False,
     )  # fmt: skip
     _attach(model, settings)
     model.set_attn_implementation(_register(ATTENTION_NAME, attention_forward))
@@ -478,7 +493,7 @@ def attention_forward(
     out, kl_loss = msa_func(
         *tensors, top_k=settings["top_k"], q_block=settings["q_block"],
         kv_block=settings["kv_block"], softmax_scale=scaling, cu_seqlens=cu_seqlens,
-        warmup=settings["warmup"],
+        warmup=settings["warmup"], granularity=settings["granularity"],
     )  # fmt: skip
     setattr(module, _KL_LOSS, kl_loss)
     return out.view(batch, seq_len, *out.shape[-2:]), None

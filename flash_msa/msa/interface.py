@@ -3,19 +3,47 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from flash_msa import _env, patterns
-from flash_msa.layout import check_block_size
+from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.kl import proxy_kl_loss
+from flash_msa.msa.token_selection import MAX_MASK_QUERIES, select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
+GRANULARITIES = ("token", "block")
+
+
+class MsaSelection(NamedTuple):
+    """What the main attention of one msa_func call ran over.
+
+    layout: layout_batch B (1 under warm-up), layout_heads H_p (1 under warm-up); under
+        granularity "token" row r holds the union of the blocks its query tile's tokens chose.
+    query_masks: int64 [layout.nnz] aligned with layout.col_indices, bit t set when token
+        r * q_block + t chose the block (granularity "token"); None when every query of a
+        row reads every block of the row (granularity "block", warm-up).
+    """
+
+    layout: BlockLayout
+    query_masks: torch.Tensor | None
+
 
 def check_msa_inputs(
-    q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens
+    q_proxy,
+    k_proxy,
+    q,
+    k,
+    v,
+    top_k,
+    q_block,
+    kv_block,
+    proxy_softmax_scale,
+    cu_seqlens,
+    granularity="token",
 ) -> None:
     """msa_func's checks of its tensors and options (TypeError / ValueError naming them)."""
     rank = 3 if cu_seqlens is not None else 4
@@ -76,6 +104,105 @@ def check_msa_inputs(
             f"q_block ({q_block}) must be <= kv_block ({kv_block}) so that a query block lies in "
             "its diagonal kv block"
         )
+    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "token" and q_block > MAX_MASK_QUERIES:
+        raise ValueError(
+            f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES} (each tile's "
+            f"per-token choices are one int64 of query bits per block), got {q_block}"
+        )
+
+
+@torch.library.custom_op("flash_msa::token_selection", mutates_args=())
+def _token_selection(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    top_k: int,
+    q_block: int,
+    kv_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token selection as a layout: (row_offsets, col_indices, the transpose's
+    row_offsets and col_indices, query_masks, transpose_entries). One op, so that
+    torch.compile sees the data-dependent size of the union (nnz) once, as one symbol."""
+    selected = select_tokens(
+        q_proxy, k_proxy, top_k=top_k, kv_block=kv_block, document_ids=document_ids
+    )
+    layout, query_masks = token_selection_layout(
+        selected, seq_len=q_proxy.shape[1], q_block=q_block, kv_block=kv_block
+    )
+    transposed = layout.transpose()
+    return (
+        layout.row_offsets.clone(), layout.col_indices.clone(), transposed.row_offsets.clone(),
+        transposed.col_indices.clone(), query_masks, layout.transpose_entries().clone(),
+    )  # fmt: skip
+
+
+@_token_selection.register_fake
+def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block):
+    batch, seq_len, heads = q_proxy.shape[:3]
+    nnz = torch.library.get_ctx().new_dynamic_size()
+    rows = (math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
+    int32 = dict(dtype=torch.int32, device=q_proxy.device)
+    int64 = dict(dtype=torch.int64, device=q_proxy.device)
+    return (
+        torch.empty(batch * heads, rows[0] + 1, **int32), torch.empty(nnz, **int32),
+        torch.empty(batch * heads, rows[1] + 1, **int32), torch.empty(nnz, **int32),
+        torch.empty(nnz, **int64), torch.empty(nnz, **int64),
+    )  # fmt: skip
+
+
+def _token_selection_layout(q_proxy, k_proxy, *, top_k, q_block, kv_block, document_ids):
+    """MsaSelection of the per-token selection (the proxy scale leaves the order alone)."""
+    row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, entries = _token_selection(
+        q_proxy, k_proxy, document_ids, top_k, q_block, kv_block
+    )
+    batch, seq_len, heads = q_proxy.shape[:3]
+    layout = BlockLayout(
+        row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len, q_block=q_block,
+        kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
+    ).attach_transpose(t_row_offsets, t_col_indices, entries)  # fmt: skip
+    return MsaSelection(layout, query_masks)
+
+
+def select(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    *,
+    top_k: int,
+    q_block: int,
+    kv_block: int,
+    proxy_softmax_scale: float,
+    granularity: str,
+    warmup: bool,
+    document_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> MsaSelection:
+    """msa_func's selection (no gradient) of [B, S, ...] proxy tensors, checked by the caller."""
+    seq_len, device = q_proxy.shape[1], q_proxy.device
+    with torch.no_grad():
+        if warmup or q_proxy.shape[0] == 0:  # batch 0: nothing to score, empty outputs
+            layout = patterns.causal(seq_len, q_block=q_block, kv_block=kv_block, device=device)
+        elif granularity == "token":  # it never picks a block of another document
+            return _token_selection_layout(
+                q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
+                document_ids=document_ids,
+            )  # fmt: skip
+        else:
+            scores = block_scores(
+                q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
+                proxy_softmax_scale=proxy_softmax_scale, document_ids=document_ids,
+            )  # fmt: skip
+            layout = patterns.topk(
+                scores, top_k, seq_len_q=seq_len, q_block=q_block, kv_block=kv_block,
+                fixed_counts=True,
+            )  # fmt: skip
+            del scores
+        if cu_seqlens is not None:
+            layout = layout & patterns.causal(
+                seq_len, q_block=q_block, kv_block=kv_block, device=device, cu_seqlens=cu_seqlens
+            )
+    return MsaSelection(layout, None)
 
 
 def msa_func(
@@ -92,27 +219,33 @@ def msa_func(
     proxy_softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     warmup: bool = False,
-    return_layout: bool = False,
+    granularity: str = "token",
+    return_selection: bool = False,
 ):
     """MiniMax Sparse Attention, causal: the proxy picks key blocks, the main attention runs
     over them, and kl_loss trains the proxy.
 
-    Selection (no gradient): score(b, c) = the largest causal proxy logit over query block b
-    and kv block c; each (query block, proxy head) keeps its diagonal block plus the
-    top_k - 1 best earlier ones, ties to the lower index (patterns.topk with fixed_counts).
+    Selection (no gradient), granularity "token" (MiniMax's and poolside's): for query token
+    i and proxy head p the score of kv block c is the largest proxy logit q_proxy[i, p] .
+    k_proxy[j] over the keys j <= i of c (and of i's document); the token keeps its own block
+    plus the top_k - 1 best other visible blocks, ties to the lower index, and every query
+    head p serves attends over those blocks, causal inside. Granularity "block", a cheaper
+    approximation: one choice per (query block, proxy head), scored by the largest causal
+    logit over the whole (query block, kv block) tile (patterns.topk with fixed_counts).
 
     Args:
         q_proxy: [B, S, H_p, D_p]; k_proxy: [B, S, H_pk, D_p].
         q: [B, S, H_q, D]; k, v: [B, S, H_kv, D]; H_q a multiple of H_p, H_p of H_kv and of
             H_pk. With cu_seqlens every tensor is packed [T, H, D].
-        top_k: key blocks per (query block, proxy head), the diagonal one included.
-        q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128).
+        top_k: key blocks per token (or query block) and proxy head, its own included.
+        q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128); q_block at
+            most 64 for granularity "token" (the main attention's query tile).
         softmax_scale, proxy_softmax_scale: default 1 / sqrt(D) and 1 / sqrt(D_p).
         cu_seqlens: int32 [N + 1] of packed documents; nothing crosses a document.
         warmup: attend over every causal block (dense) while the proxy trains on the full
             causal context.
-        return_layout: also return the BlockLayout used (layout_batch B, layout_heads H_p;
-            1 under warmup).
+        granularity: "token" or "block", as above.
+        return_selection: also return the MsaSelection the main attention ran over.
 
     Returns:
         out like q (gradients as for block_sparse_attn_func; layout_heads = H_p, so a proxy
@@ -121,15 +254,16 @@ def msa_func(
         used; teacher = the main probabilities averaged over the proxy head's query heads
         (detached), student = softmax of proxy_softmax_scale * q_proxy . k_proxy. Its
         gradient reaches q_proxy and k_proxy only: add it to the loss with a weight.
-        [, layout].
+        [, selection].
 
     Examples:
         >>> out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, top_k=16)
         >>> (task_loss(out) + 0.1 * kl_loss).backward()
     """
     check_msa_inputs(
-        q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens
-    )
+        q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens,
+        granularity,
+    )  # fmt: skip
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
         reason, error = refusal
@@ -139,37 +273,24 @@ def msa_func(
         check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], device=q.device)
         document_ids = document_ids_of(cu_seqlens)[None]  # [1, T]
         q_proxy, k_proxy, q, k, v = (t.unsqueeze(0) for t in (q_proxy, k_proxy, q, k, v))
-    seq_len = q.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     proxy_scale = (
         1.0 / math.sqrt(q_proxy.shape[-1]) if proxy_softmax_scale is None else proxy_softmax_scale
     )
-    with torch.no_grad():
-        if warmup or q.shape[0] == 0:  # batch 0: nothing to score, empty outputs
-            layout = patterns.causal(seq_len, q_block=q_block, kv_block=kv_block, device=q.device)
-        else:
-            scores = block_scores(
-                q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
-                proxy_softmax_scale=proxy_scale, document_ids=document_ids,
-            )  # fmt: skip
-            layout = patterns.topk(
-                scores, top_k, seq_len_q=seq_len, q_block=q_block, kv_block=kv_block,
-                fixed_counts=True,
-            )  # fmt: skip
-            del scores
-        if document_ids is not None:
-            layout = layout & patterns.causal(
-                seq_len, q_block=q_block, kv_block=kv_block, device=q.device,
-                cu_seqlens=cu_seqlens,
-            )  # fmt: skip
+    selection = select(
+        q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
+        proxy_softmax_scale=proxy_scale, granularity=granularity, warmup=warmup,
+        document_ids=document_ids, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    layout, query_masks = selection
     out, lse = block_sparse_attn_func(
         q, k, v, layout, causal=True, softmax_scale=scale, return_lse=True,
-        document_ids=document_ids,
+        document_ids=document_ids, query_masks=query_masks,
     )  # fmt: skip
     kl_loss = proxy_kl_loss(
         q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
-        proxy_softmax_scale=proxy_scale, document_ids=document_ids,
+        proxy_softmax_scale=proxy_scale, document_ids=document_ids, query_masks=query_masks,
     )  # fmt: skip
     if cu_seqlens is not None:
         out = out[0]
-    return (out, kl_loss, layout) if return_layout else (out, kl_loss)
+    return (out, kl_loss, selection) if return_selection else (out, kl_loss)

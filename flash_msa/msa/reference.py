@@ -129,12 +129,15 @@ def msa_reference(
     proxy_softmax_scale: float | None = None,
     warmup: bool = False,
     document_ids: torch.Tensor | None = None,
+    granularity: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eager MSA, always causal. q [B, S, H_q, D], k/v [B, S, H_kv, D], q_proxy [B, S, H_p, D_p],
-    k_proxy [B, S, H_pk, D_p]. Returns out [B, S, H_q, D], kl_loss (scalar) and the selected
-    blocks bool [B, H_p, nq, nk] (with warmup: every block with a causal pair).
+    k_proxy [B, S, H_pk, D_p]. Returns out [B, S, H_q, D], kl_loss (scalar) and the main
+    attention's element mask bool [B, H_p, S, S] (with warmup: every causal pair).
 
-    The main attention sees the selected blocks (causal inside them); query head h belongs to
+    Granularity "token": each token's blocks are select_tokens_reference's; "block": each
+    query block's are select_blocks_reference's over block_scores_reference. The main
+    attention sees the selected blocks (causal inside them); query head h belongs to
     proxy head h // (H_q / H_p). With document_ids [B, S] (non-decreasing) nothing crosses a
     document: blocks with no pair of one document are never selected. kl_loss = mean over
     (batch, i, p) of KL(teacher || student) over the keys i sees: teacher = the main
@@ -155,15 +158,23 @@ def msa_reference(
             "its diagonal kv block so every query sees its own key; use q_block <= kv_block"
         )
     batch, seq_len, heads_q = q.shape[:3]
+    causal = _causal(seq_len, q.device, document_ids)
     with torch.no_grad():
-        scores = block_scores_reference(
-            q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, document_ids
-        )
-        selected = scores > float("-inf")
-        if not warmup:
-            selected &= select_blocks_reference(scores, top_k)
-    mask = _blocks_to_elements(selected, seq_len, q_block, kv_block)
-    mask = mask & _causal(seq_len, q.device, document_ids)  # [B, H_p, S, S]
+        if granularity == "token" and not warmup:
+            selected = select_tokens_reference(
+                q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
+                proxy_softmax_scale=proxy_softmax_scale, document_ids=document_ids,
+            ).long()  # fmt: skip  # [B, H_p, S, top_k]
+            key_blocks = torch.arange(seq_len, device=q.device) // kv_block  # [S]
+            mask = (selected[..., None] == key_blocks).any(-2) & causal  # [B, H_p, S, S]
+        else:
+            scores = block_scores_reference(
+                q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, document_ids
+            )
+            selected = scores > float("-inf")
+            if not warmup:
+                selected &= select_blocks_reference(scores, top_k)
+            mask = _blocks_to_elements(selected, seq_len, q_block, kv_block) & causal
     group = heads_q // heads_proxy
     out, _ = attention_reference(q, k, v, mask.repeat_interleave(group, dim=1), softmax_scale)
 
@@ -180,4 +191,4 @@ def msa_reference(
         teacher > 0, teacher * (torch.log(teacher) - log_student), torch.zeros_like(teacher)
     )
     kl_loss = terms.sum(-1).mean()
-    return out, kl_loss, selected
+    return out, kl_loss, mask

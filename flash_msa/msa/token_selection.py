@@ -36,6 +36,7 @@ from flash_msa import _env
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows, strides
+from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
 MAX_PACK = 4  # proxy heads per program: a 64-row tile still spans 16 tokens
@@ -102,8 +103,11 @@ def _token_selection_kernel(
     documents,
     document_starts,
     stride_doc_b,
+    q_blocks,
     seq_len,
     proxy_group,
+    Q_BLOCK: tl.constexpr,
+    HAS_Q_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK: tl.constexpr,
@@ -120,23 +124,29 @@ def _token_selection_kernel(
     batch = tl.program_id(2).to(tl.int64)
     key_head = first_head // proxy_group  # PACK divides the group: one key head for all
     first = tile * ROWS
-    positions, heads = packed_rows(first, first_head, ROWS, PACK)  # [BLOCK_M] x2
-    row_valid = positions < seq_len  # [BLOCK_M]
+    rows, heads = packed_rows(first, first_head, ROWS, PACK)  # [BLOCK_M] x2: q_proxy's rows
+    row_valid = rows < seq_len  # [BLOCK_M]
+    positions = rows  # [BLOCK_M]: the rows' positions in the key sequence
+    if HAS_Q_BLOCKS:  # row r is position q_blocks[r // Q_BLOCK] * Q_BLOCK + r % Q_BLOCK
+        blocks_of_rows = tl.load(q_blocks + rows // Q_BLOCK, mask=row_valid, other=0)
+        positions = blocks_of_rows * Q_BLOCK + rows % Q_BLOCK
     q_tile = load_rows(
-        q_proxy + batch * stride_q_b, element_offsets(positions, heads, stride_q_s, stride_q_h),
+        q_proxy + batch * stride_q_b, element_offsets(rows, heads, stride_q_s, stride_q_h),
         row_valid, HEAD_DIM, HEAD_DIM_PAD,
     )  # fmt: skip  # [BLOCK_M, D_PAD]
     k_base = k_proxy + batch * stride_k_b + key_head * stride_k_h
     own_blocks = positions // KV_BLOCK  # [BLOCK_M]
-    last_block = (tl.minimum(first + ROWS, seq_len) - 1) // KV_BLOCK  # the last row's own
+    last_block = tl.max(tl.where(row_valid, own_blocks, 0))  # the last row's own
 
     documents += batch * stride_doc_b
     row_documents = positions  # unused without documents
     start_block = 0
     if HAS_DOCUMENTS:
         row_documents = tl.load(documents + positions, mask=row_valid, other=-2)  # [BLOCK_M]
-        # Blocks before the first token's document hold no key any row sees.
-        start_block = tl.load(document_starts + batch * stride_doc_b + first) // KV_BLOCK
+        # Blocks before the first row's document hold no key any row sees.
+        row_starts = tl.load(document_starts + batch * stride_doc_b + positions,
+                             mask=row_valid, other=2**30)  # fmt: skip  # [BLOCK_M]
+        start_block = tl.min(row_starts) // KV_BLOCK
 
     slots = tl.arange(0, SLOTS)  # [SLOTS]
     live = slots < TOP_K - 1  # slots of other blocks; the rest stay +inf, never a victim
@@ -168,7 +178,7 @@ def _token_selection_kernel(
         columns += (value[:, None] < order).to(tl.int32)
     out_rows = (
         selected + batch * stride_o_b + heads.to(tl.int64) * stride_o_h
-        + positions.to(tl.int64) * stride_o_s
+        + rows.to(tl.int64) * stride_o_s
     )  # fmt: skip  # [BLOCK_M]
     tl.store(out_rows[:, None] + columns, tl.where(blocks < 0, -1, blocks),
              mask=row_valid[:, None] & (columns < TOP_K))  # fmt: skip
@@ -190,7 +200,8 @@ def _configs() -> list[triton.Config]:
 @functools.cache
 def _tuned_kernel():
     return triton.autotune(
-        configs=_configs(), key=["HEAD_DIM_PAD", "KV_BLOCK", "PACK", "SLOTS", "HAS_DOCUMENTS"]
+        configs=_configs(),
+        key=["HEAD_DIM_PAD", "KV_BLOCK", "PACK", "SLOTS", "HAS_DOCUMENTS", "HAS_Q_BLOCKS"],
     )(_token_selection_kernel)
 
 
@@ -199,7 +210,7 @@ def _pack(group: int) -> int:
     return min(group & -group, MAX_PACK)
 
 
-def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale) -> None:
+def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, local: bool) -> None:
     """Validate select_tokens' tensors and options (TypeError / ValueError naming them)."""
     for name, tensor in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
         if not isinstance(tensor, torch.Tensor):
@@ -216,8 +227,12 @@ def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale) -> None:
             f"{k_proxy.device}) must share dtype and device"
         )
     q_shape, k_shape = q_proxy.shape, k_proxy.shape
-    if any(k_shape[axis] != q_shape[axis] for axis in (0, 1, 3)):
-        raise ValueError(f"k_proxy {list(k_shape)} must match q_proxy {list(q_shape)} in B, S, D_p")
+    axes = (0, 3) if local else (0, 1, 3)  # with q_blocks, k_proxy holds the whole sequence
+    if any(k_shape[axis] != q_shape[axis] for axis in axes):
+        raise ValueError(
+            f"k_proxy {list(k_shape)} must match q_proxy {list(q_shape)} in B"
+            f"{'' if local else ', S'} and D_p"
+        )
     if min(q_shape[1:]) < 1 or k_shape[2] < 1:
         raise ValueError(
             f"S, heads and D_p must be at least 1, got q_proxy {list(q_shape)}, "
@@ -249,7 +264,9 @@ def _select_tokens(
     k_proxy: torch.Tensor,
     document_ids: torch.Tensor | None,
     starts: torch.Tensor | None,
+    q_blocks: torch.Tensor | None,
     selected: torch.Tensor,
+    q_block: int,
     kv_block: int,
     kept: int,
 ) -> None:
@@ -266,15 +283,17 @@ def _select_tokens(
         **strides("k", k_proxy), **strides("o", selected, "bhs"),
         documents=selected if document_ids is None else document_ids,
         document_starts=selected if starts is None else starts,
-        stride_doc_b=0 if document_ids is None else document_ids.stride(0), seq_len=seq_len,
-        proxy_group=group, HEAD_DIM=dim, HEAD_DIM_PAD=_env.head_dim_pad(dim), KV_BLOCK=kv_block,
-        PACK=pack, TOP_K=kept, SLOTS=triton.next_power_of_2(kept),
+        stride_doc_b=0 if document_ids is None else document_ids.stride(0),
+        q_blocks=selected if q_blocks is None else q_blocks, seq_len=seq_len,
+        proxy_group=group, Q_BLOCK=q_block, HAS_Q_BLOCKS=q_blocks is not None, HEAD_DIM=dim,
+        HEAD_DIM_PAD=_env.head_dim_pad(dim), KV_BLOCK=kv_block, PACK=pack, TOP_K=kept,
+        SLOTS=triton.next_power_of_2(kept),
         DOT_PRECISION=_env.dot_precision(q_proxy.dtype), HAS_DOCUMENTS=document_ids is not None,
     )  # fmt: skip
 
 
 @_select_tokens.register_fake
-def _(q_proxy, k_proxy, document_ids, starts, selected, kv_block, kept):
+def _(q_proxy, k_proxy, document_ids, starts, q_blocks, selected, q_block, kv_block, kept):
     return None
 
 
@@ -286,6 +305,8 @@ def select_tokens(
     kv_block: int,
     proxy_softmax_scale: float | None = None,
     document_ids: torch.Tensor | None = None,
+    q_blocks: torch.Tensor | None = None,
+    q_block: int | None = None,
 ) -> torch.Tensor:
     """Per-token kv-block selection of the module docstring.
 
@@ -298,6 +319,11 @@ def select_tokens(
             change the order, so the selection does not depend on it.
         document_ids: int [B, S], non-decreasing along S: keys of another document are not
             visible.
+        q_blocks, q_block: q_proxy holds some blocks of q_block queries of the sequence
+            k_proxy holds (context parallelism): local block i is global query block
+            q_blocks[i] (int [ceil(S_q / q_block)], whole blocks but a ragged global last
+            one; see patterns.topk.check_query_blocks); document_ids are then the whole
+            sequence's [B, S].
 
     Returns:
         int32 [B, H_p, S, top_k]: each token's kept block indices, ascending, padded at the
@@ -308,33 +334,43 @@ def select_tokens(
         >>> layout, query_masks = token_selection_layout(
         ...     selected, seq_len=S, q_block=64, kv_block=128)
     """
-    _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale)
+    if (q_blocks is None) != (q_block is None):
+        raise ValueError("pass q_blocks and q_block together (or neither)")
+    _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, q_blocks is not None)
     batch, seq_len, heads = q_proxy.shape[:3]
+    seq_len_kv = k_proxy.shape[1]
+    if q_blocks is not None:
+        check_block_size("q_block", q_block)
+        q_blocks = check_query_blocks(
+            q_blocks, seq_len_q=seq_len, seq_len=seq_len_kv, q_block=q_block,
+            device=q_proxy.device,
+        ).to(torch.int32)  # fmt: skip
     q_proxy = q_proxy if q_proxy.stride(-1) == 1 else q_proxy.contiguous()
     k_proxy = k_proxy if k_proxy.stride(-1) == 1 else k_proxy.contiguous()
     starts = None
     if document_ids is not None:
-        check_document_ids(document_ids, batch, seq_len, q_proxy.device)
+        check_document_ids(document_ids, batch, seq_len_kv, q_proxy.device)
         document_ids = document_ids.to(torch.int32).contiguous()
         starts = _document_starts(document_ids)
     selected = torch.empty(batch, heads, seq_len, top_k, dtype=torch.int32, device=q_proxy.device)
     # No token sees more than every block: columns past that are padding.
-    kept = min(top_k, math.ceil(seq_len / kv_block))
+    kept = min(top_k, math.ceil(seq_len_kv / kv_block))
     selected[..., kept:] = -1
     if batch:
-        _select_tokens(q_proxy, k_proxy, document_ids, starts, selected, kv_block=kv_block,
-                       kept=kept)  # fmt: skip
+        _select_tokens(q_proxy, k_proxy, document_ids, starts, q_blocks, selected,
+                       q_block=q_block or 1, kv_block=kv_block, kept=kept)  # fmt: skip
     return selected
 
 
-def _check_selection(selected, seq_len, q_block, kv_block) -> int:
+def _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block) -> int:
     """Validate token_selection_layout's arguments; returns the number of kv blocks."""
     if not isinstance(selected, torch.Tensor):
         raise TypeError(f"selected must be a torch.Tensor, got {type(selected).__name__}")
     if selected.dtype != torch.int32:
         raise TypeError(f"selected must be int32 (select_tokens' output), got {selected.dtype}")
-    if type(seq_len) is not int or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    for name, value in (("seq_len", seq_len), ("seq_len_kv", seq_len_kv)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if selected.dim() != 4 or selected.shape[2] != seq_len or 0 in selected.shape:
         raise ValueError(
             f"selected must be [B, H_p, seq_len, top_k] = [B, H_p, {seq_len}, top_k] with no "
@@ -347,7 +383,7 @@ def _check_selection(selected, seq_len, q_block, kv_block) -> int:
             f"q_block must be at most {MAX_MASK_QUERIES} (query_masks hold one bit per query "
             f"of a tile in an int64), got {q_block}"
         )
-    num_kv_blocks = math.ceil(seq_len / kv_block)
+    num_kv_blocks = math.ceil(seq_len_kv / kv_block)
     kept = selected >= 0
     ascending = (selected[..., 1:] > selected[..., :-1]) | ~kept[..., 1:]
     padding_last = kept[..., :-1] | ~kept[..., 1:]
@@ -356,7 +392,7 @@ def _check_selection(selected, seq_len, q_block, kv_block) -> int:
     low, high, any_disordered = torch.stack([low, high, disordered.any()]).tolist()
     if low < -1 or high >= num_kv_blocks:
         raise ValueError(
-            f"selected must hold kv blocks in [0, {num_kv_blocks}) (seq_len={seq_len}, "
+            f"selected must hold kv blocks in [0, {num_kv_blocks}) (seq_len_kv={seq_len_kv}, "
             f"kv_block={kv_block}) or -1 for padding, got values from {low} to {high}"
         )
     if any_disordered:
@@ -370,7 +406,12 @@ def _check_selection(selected, seq_len, q_block, kv_block) -> int:
 
 
 def token_selection_layout(
-    selected: torch.Tensor, *, seq_len: int, q_block: int, kv_block: int
+    selected: torch.Tensor,
+    *,
+    seq_len: int,
+    q_block: int,
+    kv_block: int,
+    seq_len_kv: int | None = None,
 ) -> tuple[BlockLayout, torch.Tensor]:
     """The blocks a query tile's tokens selected, as the main attention's layout.
 
@@ -378,6 +419,8 @@ def token_selection_layout(
         selected: int32 [B, H_p, S, top_k] from select_tokens: rows ascending without repeats,
             padded with -1 at the end (checked, with one read from the device).
         seq_len: S; q_block: query tile size, at most 64; kv_block: the selection's block.
+        seq_len_kv: the keys' length (None: seq_len), longer when the queries are some
+            blocks of the sequence (select_tokens' q_blocks): the rows are then those blocks.
 
     Returns:
         layout: row r of layout (b, p) (layout_batch B, layout_heads H_p) holds the union of
@@ -387,7 +430,8 @@ def token_selection_layout(
 
     Memory is O(B * H_p * S * top_k): the selected entries are ranked by one sort.
     """
-    num_kv_blocks = _check_selection(selected, seq_len, q_block, kv_block)
+    seq_len_kv = seq_len if seq_len_kv is None else seq_len_kv
+    num_kv_blocks = _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block)
     batch, heads, _, top_k = selected.shape
     num_q_blocks = math.ceil(seq_len / q_block)
     device = selected.device
@@ -409,7 +453,7 @@ def token_selection_layout(
     query_masks.index_add_(0, inverse, bits[:, None].expand(keys.shape).flatten())
     real = int(torch.searchsorted(unique_keys, padding))
     layout = BlockLayout.from_keys(
-        unique_keys[:real], seq_len_q=seq_len, seq_len_kv=seq_len, q_block=q_block,
+        unique_keys[:real], seq_len_q=seq_len, seq_len_kv=seq_len_kv, q_block=q_block,
         kv_block=kv_block, layout_batch=batch, layout_heads=heads,
     )  # fmt: skip
     return layout, query_masks[:real]

@@ -193,12 +193,15 @@ def _check_case(name, rank, world_size):
 
 
 MSA_CASES = {"msa": dict(warmup=False), "msa warm-up": dict(warmup=True),
-             "msa documents": dict(warmup=False, documents=True)}  # fmt: skip
+             "msa documents": dict(warmup=False, documents=True),
+             "msa block documents": dict(warmup=False, documents=True,
+                                         granularity="block")}  # fmt: skip
 
 
 def _check_msa_case(name, rank, world_size):
     """msa_func_cp's shards of out, the KL and every gradient against msa_func's (float32,
-    Triton interpreter; selections are equal: the scores are computed alike)."""
+    Triton interpreter; selections are equal: the scores are computed alike), per token
+    unless the case says granularity "block"."""
     options = dict(MSA_CASES[name])
     cu_seqlens = None
     if options.pop("documents", False):

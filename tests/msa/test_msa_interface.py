@@ -26,30 +26,56 @@ def _inputs(batch, seq_len, heads, dim, proxy_dim, *, dtype=torch.float32, seed=
 
 
 def _gradients(out, kl_loss, tensors, grad_out):
-    """(grads of sum(out * grad_out) for q, k, v; grads of kl_loss for q_proxy, k_proxy)."""
-    main = torch.autograd.grad(out, tensors[2:], grad_out, retain_graph=True)
-    proxy = torch.autograd.grad(kl_loss, tensors[:2])
-    return main, proxy
+    """(grads of sum(out * grad_out) for q, k, v; grads of kl_loss for q_proxy, k_proxy), in
+    one backward: out does not depend on the proxies, nor kl_loss on q, k, v."""
+    grads = torch.autograd.grad([out, kl_loss], tensors, [grad_out, torch.ones_like(kl_loss)])
+    return grads[2:], grads[:2]
 
 
-def _check_against_reference(tensors, grad_out, top_k, q_block, kv_block, warmup, documents=None):
-    out, kl_loss, layout = msa_func(
+def _element_mask(selection, seq_len):
+    """bool [L, S, S]: the (query, key) pairs of the selection's blocks whose query chose them
+    (every query of the row without query_masks), before the causal mask."""
+    layout, words = selection
+    q_block, kv_block = layout.q_block, layout.kv_block
+    offsets = layout.row_offsets.cpu()  # [L, nq + 1]
+    columns = layout.col_indices.cpu().tolist()
+    mask = torch.zeros(offsets.shape[0], seq_len, seq_len, dtype=torch.bool)
+    for index in range(offsets.shape[0]):
+        for row in range(offsets.shape[1] - 1):
+            for entry in range(int(offsets[index, row]), int(offsets[index, row + 1])):
+                keys = slice(columns[entry] * kv_block, (columns[entry] + 1) * kv_block)
+                for bit in range(min(q_block, seq_len - row * q_block)):
+                    if words is None or int(words[entry]) >> bit & 1:
+                        mask[index, row * q_block + bit, keys] = True
+    return mask
+
+
+def _check_against_reference(
+    tensors, grad_out, top_k, q_block, kv_block, warmup, documents=None, granularity="token"
+):
+    out, kl_loss, selection = msa_func(
         *tensors, top_k=top_k, q_block=q_block, kv_block=kv_block, warmup=warmup,
-        return_layout=True, **({} if documents is None else {"cu_seqlens": documents[1]}),
+        granularity=granularity, return_selection=True,
+        **({} if documents is None else {"cu_seqlens": documents[1]}),
     )  # fmt: skip
     exact = [t.detach().cpu().double().requires_grad_() for t in tensors]
     if documents is not None:  # packed [T, H, D]: the reference runs it as one row [1, T, H, D]
         exact = [t.detach()[None].requires_grad_() for t in exact]
         grad_out = grad_out[None]
-    expected, expected_kl, selected = msa_reference(
+    expected, expected_kl, expected_mask = msa_reference(
         *exact, top_k=top_k, q_block=q_block, kv_block=kv_block, warmup=warmup,
         document_ids=None if documents is None else documents[0][None].cpu(),
+        granularity=granularity,
     )  # fmt: skip
     assert relative_error(out.reshape(expected.shape), expected) < 1e-5
     assert abs(kl_loss.item() - expected_kl.item()) < 1e-5 * max(1.0, expected_kl.item())
-    dense = layout.to_dense().cpu()  # [L, nq, nk]
-    assert torch.equal(dense.expand(selected.shape[0] * selected.shape[1], *dense.shape[1:]),
-                       selected.flatten(0, 1))  # fmt: skip
+    seq_len = expected.shape[1]
+    visible = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    if documents is not None:
+        ids = documents[0].cpu()
+        visible &= ids[:, None] == ids[None, :]
+    mask = _element_mask(selection, seq_len) & visible  # [L, S, S]
+    assert torch.equal(mask.expand(expected_mask.flatten(0, 1).shape), expected_mask.flatten(0, 1))
     main, proxy = _gradients(
         out, kl_loss, tensors, grad_out.to(out.dtype).to(DEVICE).reshape(out.shape)
     )
@@ -169,16 +195,21 @@ def test_msa_func_half_precision_on_gpu(dtype):
         assert relative_error(got, want) < 4 * tolerance
 
 
-@pytest.mark.parametrize("warmup", [False, True])
-def test_compiled_msa_func_matches_eager(warmup):
+@pytest.mark.parametrize(
+    "warmup, granularity", [(False, "token"), (False, "block"), (True, "token")]
+)
+def test_compiled_msa_func_matches_eager(warmup, granularity):
     """torch.compile(fullgraph=True) traces the whole step: scores, selection, main attention
-    and KL are custom ops or static-shape tensor code."""
+    and KL are custom ops or static-shape tensor code (the per-token selection's union size
+    is one data-dependent symbol)."""
     torch._dynamo.reset()
     tensors = _inputs(1, 200, (4, 2, 2, 1), 16, 16, seed=4)
     grad_out = torch.randn(tensors[2].shape, generator=torch.Generator().manual_seed(5))
 
     def step(*tensors):
-        return msa_func(*tensors, top_k=2, q_block=32, kv_block=64, warmup=warmup)
+        return msa_func(
+            *tensors, top_k=2, q_block=32, kv_block=64, warmup=warmup, granularity=granularity
+        )
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     results = []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flash_msa.msa import block_scores_reference, msa_reference, select_blocks_reference
+from flash_msa.msa.reference import _blocks_to_elements
 from flash_msa.reference import attention_reference
 
 
@@ -26,8 +27,26 @@ def _inputs(seq_len, heads_q, heads_kv, heads_proxy, heads_proxy_keys, dim, prox
     ]
 
 
-def _brute_force(q_proxy, k_proxy, q, k, v, selected, q_block, kv_block):
-    """out and kl_loss row by row from the definitions, for comparison."""
+def _token_mask_brute_force(q_proxy, k_proxy, top_k, kv_block):
+    """bool [B, H_p, S, S]: per (token i, proxy head p) its own block plus the top_k - 1 other
+    blocks with the largest causal proxy logit, ties to the lower block, causal inside."""
+    batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
+    group = heads_proxy // k_proxy.shape[2]
+    mask = torch.zeros(batch, heads_proxy, seq_len, seq_len, dtype=torch.bool)
+    for b in range(batch):
+        for p in range(heads_proxy):
+            logits = q_proxy[b, :, p] @ k_proxy[b, :, p // group].T  # [S, S]
+            for i in range(seq_len):
+                own = i // kv_block
+                scores = {c: logits[i, c * kv_block : (c + 1) * kv_block].max() for c in range(own)}
+                others = sorted(scores, key=lambda c: (-scores[c], c))[: top_k - 1]
+                for c in [own, *others]:
+                    mask[b, p, i, c * kv_block : min((c + 1) * kv_block, i + 1)] = True
+    return mask
+
+
+def _brute_force(q_proxy, k_proxy, q, k, v, mask):
+    """out and kl_loss row by row from the definitions over the element mask [B, H_p, S, S]."""
     batch, seq_len, heads_q, dim = q.shape
     heads_proxy, proxy_dim = q_proxy.shape[2:]
     group, kv_group = heads_q // heads_proxy, heads_q // k.shape[2]
@@ -37,7 +56,7 @@ def _brute_force(q_proxy, k_proxy, q, k, v, selected, q_block, kv_block):
     for b in range(batch):
         for i in range(seq_len):
             for p in range(heads_proxy):
-                keys = [j for j in range(i + 1) if selected[b, p, i // q_block, j // kv_block]]
+                keys = [j for j in range(i + 1) if mask[b, p, i, j]]
                 teacher = 0
                 for h in range(p * group, (p + 1) * group):
                     logits = torch.stack([q[b, i, h] @ k[b, j, h // kv_group] for j in keys])
@@ -52,20 +71,30 @@ def _brute_force(q_proxy, k_proxy, q, k, v, selected, q_block, kv_block):
     return out, torch.stack(kl_terms).mean()
 
 
+@pytest.mark.parametrize("granularity", ["token", "block"])
 @pytest.mark.parametrize(
     "heads, top_k, blocks",
     [((4, 2, 2, 1), 2, (16, 32)), ((2, 1, 2, 2), 1, (16, 16)), ((4, 1, 1, 1), 3, (16, 16))],
     ids=str,
 )
-def test_msa_reference_matches_brute_force(heads, top_k, blocks):
+def test_msa_reference_matches_brute_force(heads, top_k, blocks, granularity):
     q_block, kv_block = blocks
     tensors = _inputs(50, *heads, 8, 4, seed=top_k)
-    out, kl_loss, selected = msa_reference(
-        *tensors, top_k=top_k, q_block=q_block, kv_block=kv_block
+    out, kl_loss, mask = msa_reference(
+        *tensors, top_k=top_k, q_block=q_block, kv_block=kv_block, granularity=granularity
     )
-    scores = block_scores_reference(tensors[0].detach(), tensors[1].detach(), q_block, kv_block)
-    assert torch.equal(selected, select_blocks_reference(scores, top_k))
-    expected_out, expected_kl = _brute_force(*tensors, selected, q_block, kv_block)
+    q_proxy, k_proxy = tensors[0].detach(), tensors[1].detach()
+    if granularity == "token":
+        expected_mask = _token_mask_brute_force(q_proxy, k_proxy, top_k, kv_block)
+    else:
+        scores = block_scores_reference(q_proxy, k_proxy, q_block, kv_block)
+        blocks = select_blocks_reference(scores, top_k)
+        expected_mask = (
+            _blocks_to_elements(blocks, 50, q_block, kv_block)
+            & torch.ones(50, 50, dtype=torch.bool).tril()
+        )
+    assert torch.equal(mask, expected_mask)
+    expected_out, expected_kl = _brute_force(*tensors, mask)
     torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(kl_loss, expected_kl, rtol=1e-12, atol=1e-12)
     assert kl_loss.dim() == 0 and kl_loss.item() > 0
@@ -82,18 +111,17 @@ def test_msa_reference_matches_brute_force(heads, top_k, blocks):
 
 def test_msa_reference_warmup_is_dense_causal():
     tensors = _inputs(40, 4, 2, 2, 1, 8, 4, seed=3)
-    out, kl_loss, selected = msa_reference(*tensors, top_k=1, q_block=16, kv_block=32)
-    warm_out, warm_kl, warm_selected = msa_reference(
+    out, kl_loss, mask = msa_reference(*tensors, top_k=1, q_block=16, kv_block=32)
+    warm_out, warm_kl, warm_mask = msa_reference(
         *tensors, top_k=1, q_block=16, kv_block=32, warmup=True
     )
     causal = torch.ones(40, 40, dtype=torch.bool).tril()
     dense, _ = attention_reference(*tensors[2:], causal)
     torch.testing.assert_close(warm_out, dense, rtol=1e-12, atol=1e-12)
-    blocks = torch.tensor([[True, False], [True, False], [True, True]])
-    assert torch.equal(warm_selected, blocks.expand(2, 2, 3, 2))
-    _, expected_kl = _brute_force(*tensors, warm_selected, 16, 32)
+    assert torch.equal(warm_mask, causal.expand(2, 2, 40, 40))
+    _, expected_kl = _brute_force(*tensors, warm_mask)
     torch.testing.assert_close(warm_kl, expected_kl, rtol=1e-12, atol=1e-12)
-    assert not torch.equal(out, warm_out) and selected.sum() < warm_selected.sum()
+    assert not torch.equal(out, warm_out) and mask.sum() < warm_mask.sum()
 
 
 @pytest.mark.parametrize("warmup", [False, True])

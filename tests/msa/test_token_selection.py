@@ -115,6 +115,29 @@ def test_select_tokens_strided_inputs_and_scale(poisoned):
     assert torch.equal(selected, reference)
 
 
+@pytest.mark.parametrize("bounds", [None, (70, 71, 200)], ids=["no-documents", "documents"])
+def test_select_tokens_of_some_query_blocks(bounds, poisoned):
+    """q_blocks (context parallelism): the rows of some query blocks, in any order, against
+    the keys of the whole sequence select as the whole sequence's rows do."""
+    q_proxy, k_proxy = _inputs(2, 300, 4, 2, 16, seed=6)
+    document_ids = None if bounds is None else _documents(2, 300, bounds)
+    q_blocks = torch.tensor([3, 0, 1, 4], device=DEVICE)  # 4: the ragged last (256-299)
+    rows = torch.cat([torch.arange(64 * b, min(64 * b + 64, 300)) for b in q_blocks.tolist()])
+    selected = select_tokens(
+        q_proxy[:, rows.to(DEVICE)], k_proxy, top_k=3, kv_block=32, document_ids=document_ids,
+        q_blocks=q_blocks, q_block=64,
+    )  # fmt: skip
+    whole = select_tokens_reference(q_proxy, k_proxy, top_k=3, kv_block=32,
+                                    document_ids=document_ids)  # fmt: skip
+    assert torch.equal(selected, whole[:, :, rows.to(DEVICE)])
+    layout, words = token_selection_layout(
+        selected, seq_len=rows.numel(), q_block=64, kv_block=32, seq_len_kv=300
+    )
+    assert (layout.seq_len_q, layout.seq_len_kv, layout.num_q_blocks) == (300 - 64, 300, 4)
+    with pytest.raises(ValueError, match="q_blocks and q_block together"):
+        select_tokens(q_proxy, k_proxy, top_k=3, kv_block=32, q_blocks=q_blocks)
+
+
 def test_select_tokens_reference_brute_force():
     """The reference against the definition, token by token."""
     q_proxy, k_proxy = _inputs(1, 40, 2, 1, 8, seed=6, dtype=torch.float64, device="cpu")
@@ -220,7 +243,7 @@ def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k,
         (lambda q, k: (q.int(), k), TypeError, "int32"),
         (lambda q, k: (q, k.half()), ValueError, "share dtype"),
         (lambda q, k: (q[:, :, :3], k), ValueError, "multiple of proxy key heads"),
-        (lambda q, k: (q, k[:, :50]), ValueError, "in B, S, D_p"),
+        (lambda q, k: (q, k[:, :50]), ValueError, "in B, S and D_p"),
         (lambda q, k: (q[:, :0], k[:, :0]), ValueError, "at least 1"),
         (lambda q, k: (q.numpy(), k), TypeError, "ndarray"),
     ],
@@ -293,10 +316,11 @@ from flash_msa.testing import assemble_for_sm90
 
 kernel = token_selection._token_selection_kernel
 types = dict(q_proxy="*bf16", k_proxy="*bf16", selected="*i32", documents="*i32",
-             document_starts="*i32")
+             document_starts="*i32", q_blocks="*i32")
 for block_m, warps, stages in json.loads(sys.argv[2]):
     constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK=128, PACK=4, TOP_K=16, SLOTS=16,
-                      DOT_PRECISION="tf32", HAS_DOCUMENTS=False, BLOCK_M=block_m)
+                      DOT_PRECISION="tf32", HAS_DOCUMENTS=False, BLOCK_M=block_m, Q_BLOCK=64,
+                      HAS_Q_BLOCKS=False)
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
                  for arg in kernel.arg_names}
     aligned = {(index,): [["tt.divisibility", 16]] for index, arg in enumerate(kernel.arg_names)
