@@ -284,23 +284,33 @@ def flash_bound(baseline_error: float, dtype: torch.dtype) -> float:
     return 2 * baseline_error + torch.finfo(dtype).eps
 
 
-def same_in_dtype(q, k, v, layout, grad_out, score_budget: int = 1 << 28):
+def same_in_dtype(q, k, v, layout, grad_out, query_masks=None, score_budget: int = 1 << 28):
     """PyTorch computing the attention in the inputs' dtype (reference.attention_reference:
     einsum and softmax, no kernel) over the layout's blocks, causal, a chunk of query blocks
-    at a time: out, dq, dk, dv. The dK/dV of the chunks add up in fp32. The layout has
-    layout_batch 1; query head h reads layout head h // (H_q / layout_heads).
+    at a time: out, dq, dk, dv. The dK/dV of the chunks add up in fp32 (fp64 for float64
+    inputs). The layout has layout_batch 1; query head h reads layout head
+    h // (H_q / layout_heads).
 
+    query_masks: int64 [layout.nnz] or None, as block_sparse_attn_func's (bit t of an
+        entry's word: query t of its row reads the block; MSA's per-token selection).
     score_budget: score elements of one chunk (H_q x its queries x the keys its rows read).
     """
     heads_q, seq_len = q.shape[2], q.shape[1]
     blocks = layout.to_dense()  # [L, nq, nk]
-    per_row = int(blocks.any(0).sum(-1).max()) * layout.layout_heads  # keys a row reads, at most
+    words = None
+    if query_masks is not None:  # [L, nq, nk]: each entry's word, 0 where inactive
+        words = torch.zeros(blocks.numel(), dtype=torch.int64, device=q.device)
+        entries = layout.entry_rows().long() * layout.num_kv_blocks + layout.col_indices.long()
+        words[entries] = query_masks
+        words = words.view(blocks.shape)
+    per_row = int(blocks.any(0).sum(-1).max())  # kv blocks any head of a row reads, at most
     rows_per_chunk = max(1, math.isqrt(
         score_budget // (heads_q * layout.q_block * layout.kv_block * max(per_row, 1))
     ))  # fmt: skip
     out, grad_q = torch.empty_like(q), torch.empty_like(q)
-    grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    wide = torch.promote_types(k.dtype, torch.float32)
+    grad_k = torch.zeros(k.shape, dtype=wide, device=k.device)
+    grad_v = torch.zeros(v.shape, dtype=wide, device=v.device)
     within_q = torch.arange(layout.q_block, device=q.device)
     within_kv = torch.arange(layout.kv_block, device=q.device)
     for first in range(0, layout.num_q_blocks, rows_per_chunk):
@@ -311,7 +321,12 @@ def same_in_dtype(q, k, v, layout, grad_out, score_budget: int = 1 << 28):
         rows = torch.arange(first, first + chunk.shape[1], device=q.device)
         queries = (rows[:, None] * layout.q_block + within_q).flatten()
         queries = queries[queries < seq_len]
-        mask = chunk[:, :, columns].repeat_interleave(layout.q_block, 1)
+        if words is None:
+            mask = chunk[:, :, columns].repeat_interleave(layout.q_block, 1)  # [L, r * q, n]
+        else:
+            chunk_words = words[:, first : first + rows_per_chunk][:, :, columns]  # [L, r, n]
+            bits = (chunk_words[..., None] >> within_q) & 1  # [L, r, n, q_block]
+            mask = bits.bool().transpose(2, 3).flatten(1, 2)  # [L, r * q_block, n]
         mask = mask.repeat_interleave(layout.kv_block, 2)[:, : queries.numel(), : keys.numel()]
         mask = mask.repeat_interleave(heads_q // layout.layout_heads, 0)  # [H_q, M, N]
         mask = (mask & (keys[None, :] <= queries[:, None]))[None]  # [1, H_q, M, N]
@@ -322,8 +337,8 @@ def same_in_dtype(q, k, v, layout, grad_out, score_budget: int = 1 << 28):
         out_chunk, _ = attention_reference(q_chunk, k_chunk, v_chunk, mask)
         out_chunk.backward(grad_out[:, queries])
         out[:, queries], grad_q[:, queries] = out_chunk.detach(), q_chunk.grad
-        grad_k.index_add_(1, keys, k_chunk.grad.float())
-        grad_v.index_add_(1, keys, v_chunk.grad.float())
+        grad_k.index_add_(1, keys, k_chunk.grad.to(wide))
+        grad_v.index_add_(1, keys, v_chunk.grad.to(wide))
     return out, grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
@@ -397,9 +412,10 @@ def check_attention(name: str, seq_len: int, setting: dict) -> dict:
 
 
 def check_msa(seq_len: int, setting: dict) -> dict:
-    """msa_func_cp on this world against msa_func on rank 0: out, dq, dk and dv by
-    FlashAttention's rule over the selection msa_func made; the KL loss and the proxy
-    gradients against one process's."""
+    """msa_func_cp on this world against msa_func on rank 0 (granularity "token", the
+    default): out, dq, dk and dv by FlashAttention's rule over the selection msa_func made
+    (its layout and query masks); the KL loss and the proxy gradients against one
+    process's."""
     device, dtype, sizes = setting["device"], setting["dtype"], setting["msa"]
     rank = dist.get_rank()
     plan = cp_plan(msa_layout(seq_len, device), dist.get_world_size(), balance="headtail")
@@ -414,19 +430,23 @@ def check_msa(seq_len: int, setting: dict) -> dict:
     record = dict(seq_len=seq_len, balance=plan.balance)
     if rank == 0:
         inputs = [whole[n].clone().requires_grad_() for n in names]
-        out, kl_loss, layout = msa_func(
-            *inputs, top_k=sizes["top_k"], **MSA_BLOCKS, return_layout=True
+        out, kl_loss, (layout, query_masks) = msa_func(
+            *inputs, top_k=sizes["top_k"], **MSA_BLOCKS, return_selection=True
         )
         torch.autograd.backward([out, kl_loss], [whole["grad_out"], torch.ones_like(kl_loss)])
         single = [out.detach(), *(t.grad for t in inputs)]
         kl_single = kl_loss.item()
         del inputs, out
         wide = [whole[n].double().requires_grad_() for n in ("q", "k", "v")]
-        out = block_sparse_attn_func(*wide, layout, causal=True, backend="torch")
+        out = block_sparse_attn_func(
+            *wide, layout, causal=True, backend="torch", query_masks=query_masks
+        )
         out.backward(whole["grad_out"].double())
         exact = [out.detach(), *(t.grad for t in wide)]
         del wide, out
-        baseline = same_in_dtype(whole["q"], whole["k"], whole["v"], layout, whole["grad_out"])
+        baseline = same_in_dtype(
+            whole["q"], whole["k"], whole["v"], layout, whole["grad_out"], query_masks
+        )
         main = [0, 3, 4, 5]  # out, dq, dk, dv
         record["shards"] = shard_errors(
             plan, ("out", "dq", "dk", "dv"), [cp[i] for i in main], [single[i] for i in main],
@@ -701,9 +721,12 @@ def main() -> None:
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink SHARP (multicast) off, before init
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30)
-    )
+    # Rank 0 computes the one-process references while the others wait: a long timeout.
+    timeout = datetime.timedelta(minutes=30)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setting = dict(
         device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -766,8 +789,8 @@ def main() -> None:
             f"H_q {attention['heads_q']}, H_kv {attention['heads_kv']}, D "
             f"{attention['head_dim']}; msa H_q {msa['heads_q']}, H_kv {msa['heads_kv']}, "
             f"{msa['proxy']} proxy heads, {msa['proxy_keys']} proxy key head, top_k "
-            f"{msa['top_k']}, q_block 64, kv_block 128. Times: forward + backward, every rank "
-            "starting after a barrier, the slowest rank's, median of "
+            f"{msa['top_k']}, q_block 64, kv_block 128, per-token selection. Times: forward + "
+            "backward, every rank starting after a barrier, the slowest rank's, median of "
             f"{setting['repeats']} after one."
             + ("" if with_msa else " MSA cases skipped: on the CPU they need TRITON_INTERPRET=1.")
         )
