@@ -28,7 +28,8 @@ so that runs at N = 1, 2, 4, 8 fill one table. bf16 on GPUs, fp32 on the CPU, B 
 
 Times: every rank starts after a barrier; a repeat's time is its slowest rank's; the median
 of --repeats after one warm-up call. The CPU runs the same cases with fewer heads and a
-smaller head dim (a check that everything runs, not a result).
+smaller head dim, MSA at a quarter of the lengths (a check that everything runs, not a
+result).
 """
 
 from __future__ import annotations
@@ -393,7 +394,7 @@ def check_attention(name: str, seq_len: int, setting: dict) -> dict:
     out = attention_step(shards, whole["grad_out"][:, index], plan, backend)()
     cp = gathered([out, *(t.grad for t in shards)], plan)
     del shards, out
-    record = dict(seq_len=seq_len, balance=plan.balance)
+    record = dict(balance=plan.balance)
     if rank == 0:
         inputs = [whole[n].clone().requires_grad_() for n in ("q", "k", "v")]
         out = block_sparse_attn_func(*inputs, layout, causal=True, backend=backend)
@@ -427,7 +428,7 @@ def check_msa(seq_len: int, setting: dict) -> dict:
     cp = gathered([out, *(t.grad for t in shards)], plan)  # out, dq_proxy, dk_proxy, dq, ...
     kl_cp = kl_loss.item()
     del shards, out
-    record = dict(seq_len=seq_len, balance=plan.balance)
+    record = dict(balance=plan.balance)
     if rank == 0:
         inputs = [whole[n].clone().requires_grad_() for n in names]
         out, kl_loss, (layout, query_masks) = msa_func(
@@ -494,7 +495,7 @@ def timings(step, setting: dict) -> dict:
     )  # fmt: skip
 
 
-def scale_attention(name: str, seq_len: int, setting: dict, peer: bool) -> dict:
+def scale_attention(name: str, seq_len: int, setting: dict, *, peer: bool) -> dict:
     """block_sparse_attn_cp forward + backward over the whole sequence of seq_len tokens
     (and, with peer, the same through collective="allgather")."""
     device, dtype, sizes = setting["device"], setting["dtype"], setting["attention"]
@@ -505,7 +506,7 @@ def scale_attention(name: str, seq_len: int, setting: dict, peer: bool) -> dict:
     inputs, grad_out = leaves(tensors), tensors["grad_out"]
     recv, send = plan_bytes(plan, sizes, dtype)
     record = dict(
-        seq_len=seq_len, balance=plan.balance, recv_mib=mib(recv), send_mib=mib(send),
+        balance=plan.balance, recv_mib=mib(recv), send_mib=mib(send),
         **timings(attention_step(inputs, grad_out, plan, setting["backend"]), setting),
     )  # fmt: skip
     if peer:
@@ -524,7 +525,7 @@ def scale_msa(seq_len: int, setting: dict) -> dict:
     device, dtype, sizes = setting["device"], setting["dtype"], setting["msa"]
     entries = msa_layout_entries(seq_len)
     if entries > INT32_MAX:
-        return dict(seq_len=seq_len, error=(
+        return dict(error=(
             f"skipped: msa_func_cp's plan layout (causal, blocks of 64 x 128) would hold "
             f"{entries:,} entries at {seq_len:,} tokens, past int32 row offsets"
         ))  # fmt: skip
@@ -535,7 +536,7 @@ def scale_msa(seq_len: int, setting: dict) -> dict:
     inputs, grad_out = leaves(tensors), tensors["grad_out"]
     recv, send = msa_bytes(plan, sizes, dtype)
     return dict(
-        seq_len=seq_len, balance=plan.balance, recv_mib=mib(recv), send_mib=mib(send),
+        balance=plan.balance, recv_mib=mib(recv), send_mib=mib(send),
         **timings(msa_step(inputs, grad_out, plan, sizes["top_k"]), setting),
     )  # fmt: skip
 
@@ -734,23 +735,27 @@ def main() -> None:
         repeats=args.repeats or (3 if device.type == "cuda" else 1),
         attention=ATTENTION[device.type], msa=MSA[device.type],
     )  # fmt: skip
-    # msa_func runs Triton kernels: on the CPU only under the interpreter.
+    # msa_func runs Triton kernels: on the CPU only under the interpreter, at a quarter of
+    # the lengths (its per-token selection is slow interpreted).
     with_msa = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    msa_share = 1.0 if device.type == "cuda" else 0.25
     check_len = args.check_len or min(128 * 1024, args.seq_len)
     causal_len = args.causal_len or max(args.seq_len // 4 // 128 * 128, 128)
     meta = run_metadata(device)
     dtype_name = str(setting["dtype"]).removeprefix("torch.")
     records = []
 
-    def run(kind: str, case: str, measure) -> None:
+    def run(kind: str, case: str, seq_len: int, measure) -> None:
+        """measure(seq_len, setting)'s record, or the error it raised (alike on every rank:
+        shapes and plans are)."""
         if rank == 0:
             print(f"{kind} {case} on {world_size} ranks ...", flush=True)
         try:
-            result = measure()
+            result = measure(seq_len, setting)
         except (RuntimeError, ValueError, TypeError) as error:  # the same on every rank
             result = dict(error=failure(error))
-        record = dict(meta, kind=kind, case=case, world_size=world_size, dtype=dtype_name,
-                      **result)  # fmt: skip
+        record = dict(meta, kind=kind, case=case, world_size=world_size, seq_len=seq_len,
+                      dtype=dtype_name, **result)  # fmt: skip
         if kind == "correctness" and "shards" in record:
             record["passed"] = passed(record)
         records.append(record)
@@ -764,18 +769,17 @@ def main() -> None:
 
     for case in CORRECTNESS:
         if case != "msa":
-            run("correctness", case, partial(check_attention, case, check_len, setting))
+            run("correctness", case, check_len, partial(check_attention, case))
         elif with_msa:
-            run("correctness", case, partial(check_msa, check_len, setting))
+            run("correctness", case, round(check_len * msa_share), check_msa)
     for case in STRONG:
-        seq_len = causal_len if case == "causal" else args.seq_len
-        run("strong", case, partial(scale_attention, case, seq_len, setting, peer=True))
+        run("strong", case, causal_len if case == "causal" else args.seq_len,
+            partial(scale_attention, case, peer=True))  # fmt: skip
     for case in WEAK:
         if case != "msa":
-            seq_len = world_size * args.seq_len
-            run("weak", case, partial(scale_attention, case, seq_len, setting, peer=False))
+            run("weak", case, world_size * args.seq_len, partial(scale_attention, case, peer=False))
         elif with_msa:
-            run("weak", case, partial(scale_msa, world_size * args.seq_len, setting))
+            run("weak", case, round(world_size * args.seq_len * msa_share), scale_msa)
 
     if rank == 0:
         out_dir = results_dir(args.out, device, suffix=f"x{world_size}")
