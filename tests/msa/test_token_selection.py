@@ -245,7 +245,7 @@ def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k,
         (lambda q, k: (q[:, :, :3], k), ValueError, "multiple of proxy key heads"),
         (lambda q, k: (q, k[:, :50]), ValueError, "in B, S and D_p"),
         (lambda q, k: (q[:, :0], k[:, :0]), ValueError, "at least 1"),
-        (lambda q, k: (q.numpy(), k), TypeError, "ndarray"),
+        (lambda q, k: (q.cpu().numpy(), k), TypeError, "ndarray"),
     ],
 )
 def test_select_tokens_rejects_bad_tensors(change, error, match):
