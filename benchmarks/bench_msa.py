@@ -52,8 +52,7 @@ from flash_msa.msa.interface import GRANULARITIES, MsaSelection, select
 
 HEADS_Q, HEADS_KV, HEADS_PROXY, HEADS_PROXY_KEYS = 64, 4, 4, 1
 PROXY_HEAD_DIM = HEAD_DIM
-TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128
-MSA_OPTIONS = dict(top_k=TOP_K, q_block=Q_BLOCK, kv_block=KV_BLOCK)
+TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128  # q_block: granularity block's selection unit
 DENSE_MEASURED_UP_TO = 128 * K
 FLEX_TOKEN_MASK_UP_TO = 128 * K  # its per-token mask [H_p, S, nk] bool: 0.5 GiB at 128K
 
@@ -93,12 +92,15 @@ def attended_pairs(selection: MsaSelection, seq_len: int) -> int:
     return int((blocks * visible).sum())
 
 
-def run_msa(seq_len: int, inputs: dict, granularity: str) -> tuple[dict, MsaSelection]:
-    """msa_func forward + backward, whole and split; returns the record and the selection."""
+def run_msa(
+    seq_len: int, inputs: dict, granularity: str, q_block: int
+) -> tuple[dict, MsaSelection]:
+    """msa_func forward + backward, whole and split; returns the record and the selection.
+    Under granularity "token" q_block is only the main attention's query tile."""
     leaves = [inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v")]
     q_proxy, k_proxy, q, k, v = leaves
     dout = inputs["dout"]
-    options = dict(**MSA_OPTIONS, granularity=granularity)
+    options = dict(top_k=TOP_K, q_block=q_block, kv_block=KV_BLOCK, granularity=granularity)
     scale = HEAD_DIM**-0.5
 
     def step():
@@ -141,6 +143,7 @@ def run_msa(seq_len: int, inputs: dict, granularity: str) -> tuple[dict, MsaSele
         seq_len=seq_len,
         impl="flash_msa",
         granularity=granularity,
+        q_block=q_block,
         fwd_bwd_ms=round(total["ms"], 4),
         selection_ms=round(selection_ms, 4),
         main_attention_ms=round(main_ms, 4),
@@ -152,7 +155,8 @@ def run_msa(seq_len: int, inputs: dict, granularity: str) -> tuple[dict, MsaSele
         peak_gib=round(total["peak_gib"], 3),
     )
     print(
-        f"S={seq_len:>8,} flash_msa {granularity:5s} total {record['fwd_bwd_ms']:9.3f} ms = "
+        f"S={seq_len:>8,} flash_msa {granularity:5s} q{q_block:<3d} total "
+        f"{record['fwd_bwd_ms']:9.3f} ms = "
         f"selection {selection_ms:.3f} + main {main_ms:.3f} "
         f"({record['main_attention_tflops']} TF/s) + KL {record['kl_ms']:.3f} (kernels "
         f"{kl_kernels_ms:.3f}); peak {record['peak_gib']:.2f} GiB",
@@ -297,24 +301,31 @@ def run_flex(seq_len: int, inputs: dict, selection: MsaSelection, granularity: s
     return record
 
 
-def run_length(seq_len: int, device, dense_measured: dict, granularities) -> list[dict]:
+def run_length(seq_len: int, device, dense_measured: dict, variants, flex: bool) -> list[dict]:
+    """Dense cuDNN, then each (granularity, q_block) variant and, with flex, FlexAttention on
+    the first variant's selection of each granularity."""
     records = [run_dense(seq_len, device, dense_measured)]
     inputs = random_inputs(seq_len, device)
-    for granularity in granularities:
-        msa, selection = run_msa(seq_len, inputs, granularity)
+    peers_run = set()
+    for granularity, q_block in variants:
+        msa, selection = run_msa(seq_len, inputs, granularity, q_block)
         free_memory()
-        flex = run_flex(seq_len, inputs, selection, granularity, msa["main_attention_ms"])
+        records.append(msa)
+        if flex and granularity not in peers_run:
+            peers_run.add(granularity)
+            records.append(
+                run_flex(seq_len, inputs, selection, granularity, msa["main_attention_ms"])
+            )
         del selection
         free_memory()
-        records += [msa, flex]
     return records
 
 
-def msa_cells(impls: dict[str, dict], granularity: str) -> list:
-    """One length and granularity's row: flash_msa's parts, flex on the same selection,
-    dense cuDNN."""
-    msa, flex = impls[("flash_msa", granularity)], impls.get(("flex", granularity), {})
-    dense = impls.get(("sdpa_cudnn", None))
+def msa_cells(msa: dict, peers: dict) -> list:
+    """One flash_msa record's row: its parts, flex on a selection of the same granularity,
+    dense cuDNN (peers: (impl, granularity or None) -> record, of the same length)."""
+    flex = peers.get(("flex", msa["granularity"]), {})
+    dense = peers.get(("sdpa_cudnn", None))
     if "fwd_bwd_ms" in flex:
         flex_ms = f"{flex['fwd_bwd_ms']:.3f}"
         versus_flex = f"{flex['fwd_bwd_ms'] / msa['main_attention_ms']:.2f}x"
@@ -327,7 +338,8 @@ def msa_cells(impls: dict[str, dict], granularity: str) -> list:
         speedup = f"{dense['fwd_bwd_ms'] / msa['fwd_bwd_ms']:.1f}x"
     return [
         f"{msa['seq_len']:,}",
-        granularity,
+        msa["granularity"],
+        msa.get("q_block", Q_BLOCK),
         f"{msa['fwd_bwd_ms']:.3f}",
         f"{msa['selection_ms']:.3f}",
         f"{msa['main_attention_ms']:.3f}",
@@ -342,19 +354,18 @@ def msa_cells(impls: dict[str, dict], granularity: str) -> list:
 
 
 def write_reports(records: list[dict], meta: dict, out_dir) -> None:
-    by_length: dict[int, dict] = {}
+    peers: dict[int, dict] = {}
     for record in records:
         key = (record["impl"], record.get("granularity"))
-        by_length.setdefault(record["seq_len"], {})[key] = record
-    columns = ["S", "granularity", "flash_msa ms", "selection ms", "main attention ms",
+        peers.setdefault(record["seq_len"], {})[key] = record
+    columns = ["S", "granularity", "q_block", "flash_msa ms", "selection ms", "main attention ms",
                "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
                "main speed-up vs flex (flex ms / main ms)", "cuDNN dense ms",
                "speed-up vs dense cuDNN (cuDNN ms / flash_msa ms)"]  # fmt: skip
     rows = [
-        (impls[("flash_msa", granularity)], msa_cells(impls, granularity))
-        for impls in by_length.values()
-        for granularity in GRANULARITIES
-        if ("flash_msa", granularity) in impls
+        (record, msa_cells(record, peers[record["seq_len"]]))
+        for record in records
+        if record["impl"] == "flash_msa" and "granularity" in record
     ]
     write_report(
         out_dir,
@@ -363,10 +374,11 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         meta=meta,
         title="MSA training step: selection, main attention, KL",
         notes=f"bf16, B=1, H_q={HEADS_Q}, H_kv={HEADS_KV}, D={HEAD_DIM}; proxy H_p={HEADS_PROXY}, "
-        f"H_pk={HEADS_PROXY_KEYS}, D_p={PROXY_HEAD_DIM}; top_k {TOP_K}, q_block {Q_BLOCK}, "
-        f"kv_block {KV_BLOCK}; causal. Granularity token: each query token's own blocks "
-        "(MiniMax's); block: one choice per 64-query block. Forward + backward ms, medians of "
-        "do_bench. KL = total minus selection and main attention. Main TFLOP/s over the "
+        f"H_pk={HEADS_PROXY_KEYS}, D_p={PROXY_HEAD_DIM}; top_k {TOP_K}, kv_block {KV_BLOCK}; "
+        "causal. Granularity token: each query token's own blocks (MiniMax's; q_block is "
+        "then the main attention's query tile: the union of its tokens' blocks with a bit "
+        f"per token); block: one choice per {Q_BLOCK}-query block. Forward + backward ms, "
+        "medians of do_bench. KL = total minus selection and main attention. Main TFLOP/s over the "
         "(query, key <= query) pairs the selection holds. Flex runs the main attention only, "
         "on the same selection (per token: a mask_mod reading each token's blocks, every "
         "block partial), with tiles of 32 and 64 query rows. Dense figures marked * are "
@@ -381,9 +393,21 @@ def main() -> None:
     )
     parser.add_argument("--seq-lens", default="32k,128k,1m", help="e.g. 32k,128k,1m")
     parser.add_argument("--granularities", default=",".join(GRANULARITIES))
+    parser.add_argument(
+        "--token-q-blocks", default="16", help="query tiles of granularity token, e.g. 16,64"
+    )
+    parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    granularities = args.granularities.split(",")
+    variants = [
+        (granularity, q_block)
+        for granularity in args.granularities.split(",")
+        for q_block in (
+            [int(text) for text in args.token_q_blocks.split(",")]
+            if granularity == "token"
+            else [Q_BLOCK]
+        )
+    ]
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
@@ -393,7 +417,7 @@ def main() -> None:
     for seq_len in seq_lens:
         records += [
             {**record, **meta}
-            for record in run_length(seq_len, device, dense_measured, granularities)
+            for record in run_length(seq_len, device, dense_measured, variants, not args.no_flex)
         ]
         records.sort(key=lambda record: record["seq_len"])
         write_reports(records, meta, out_dir)  # partial results survive a timeout
