@@ -796,7 +796,7 @@ def main() -> None:
             f"{msa['top_k']}, q_block 64, kv_block 128, per-token selection. Times: forward + "
             "backward, every rank starting after a barrier, the slowest rank's, median of "
             f"{setting['repeats']} after one."
-            + ("" if with_msa else " MSA cases skipped: on the CPU they need TRITON_INTERPRET=1.")
+            + ("" if with_msa else " This run skipped MSA: on the CPU it needs TRITON_INTERPRET=1.")
         )
         write_report(out_dir, NAME, mine, meta=meta, title="Context parallelism",
                      notes=notes, body=report_body(merged_records(out_dir, mine)))  # fmt: skip
