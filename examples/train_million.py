@@ -73,7 +73,7 @@ def markdown(result: dict) -> str:
         ("model", f"{model['layers']} layers, d {model['dim']}, {model['heads']} query / "
                   f"{model['kv_heads']} kv heads, {result['parameters'] / 1e6:.1f}M parameters"),
         ("attention", f"MSAAttention: top_k {model['top_k']}, q_block {model['q_block']}, "
-                      f"kv_block {model['kv_block']}, {result['proxy_heads']} proxy heads"),
+                      f"kv_block {model['kv_block']}, proxy heads {result['proxy_heads']}"),
         ("tokens per step", f"{result['seq_len']:,}"),
         ("steps", result["steps"]),
         ("tokens / s (all steps)", f"{result['tokens_per_second']:,.0f}"),
@@ -84,7 +84,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Training at a million tokens per step", "",
         f"{result['device']}; torch {result['torch']}, triton {result['triton']}; "
-        f"{result['date']} at commit {result['commit']}. bf16 autocast on the GPU, activation "
+        f"{result['date']} at commit {result['commit']}. {result['precision']}, activation "
         "checkpointing per layer, AdamW, the needle suite's training samples (one sequence a "
         "step, no dense warm-up). Loss: answer tokens and repeated haystack tokens (weight "
         f"{result['lm_weight']}) plus {result['kl_weight']} x the KL loss.", "",
@@ -150,6 +150,7 @@ def main() -> None:
         if state.step > 1 and later_seconds > 0 else None,
         peak_memory_gib=peak_memory_gib(device),
         memory_kind="peak GPU memory" if device.type == "cuda" else "peak resident memory",
+        precision="bf16 autocast" if device.type == "cuda" else "fp32 (the CPU)",
         history=state.history,
     )  # fmt: skip
     out = pathlib.Path(args.out) if args.out else default_out(device)
