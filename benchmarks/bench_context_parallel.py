@@ -65,6 +65,7 @@ from common import (
 
 from flash_msa import patterns
 from flash_msa.distributed import block_sparse_attn_cp, comm, cp_plan, msa_func_cp
+from flash_msa.layout import BlockLayout
 from flash_msa.msa import msa_func
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.reference import attention_reference
@@ -91,7 +92,7 @@ WEAK = ("window+sinks", "msa")
 CORRECTNESS = ("window+sinks", "topk16", "msa")
 
 
-def msa_layout(seq_len: int, device) -> patterns.BlockLayout:
+def msa_layout(seq_len: int, device) -> BlockLayout:
     """The plan layout msa_func_cp takes: causal over query blocks of 64, kv blocks of 128."""
     return patterns.causal(seq_len, **MSA_BLOCKS, device=device)
 
@@ -308,7 +309,8 @@ def same_in_dtype(q, k, v, layout, grad_out, query_masks=None, score_budget: int
     rows_per_chunk = max(1, math.isqrt(
         score_budget // (heads_q * layout.q_block * layout.kv_block * max(per_row, 1))
     ))  # fmt: skip
-    out, grad_q = torch.empty_like(q), torch.empty_like(q)
+    # NaN until a chunk writes it: a row no chunk covers fails the comparison.
+    out, grad_q = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     wide = torch.promote_types(k.dtype, torch.float32)
     grad_k = torch.zeros(k.shape, dtype=wide, device=k.device)
     grad_v = torch.zeros(v.shape, dtype=wide, device=v.device)
