@@ -635,7 +635,7 @@ def _add_niah_parser(commands) -> None:
         "niah", help=niah_help,
         description=niah_help + ": niah.json, niah.md and niah.png in --out. Resumable: rerun "
         f"the same command to continue; exit status {NIAH_INCOMPLETE} when --max-minutes "
-        "stopped it first. Defaults fit an H200 (about 5 minutes per variant); --tiny runs "
+        "stopped it first. Defaults fit an H200 (about 1-2 minutes per variant); --tiny runs "
         "the whole benchmark on the CPU in a minute or so (TRITON_INTERPRET=1 for "
         "oracle_topk and msa).",
     )  # fmt: skip
@@ -670,14 +670,14 @@ def _add_niah_parser(commands) -> None:
         "--steps",
         type=int,
         default=None,
-        help="training steps per variant (default: 5000; 2 with --tiny)",
+        help="training steps per variant (default: 1500; 2 with --tiny)",
     )
     add(
         "--train-len",
         type=lambda text: _lengths(text)[0],
         default=None,
         help="longest training length in tokens; training lengths are the powers of two from "
-        "512 up to it (default: 32k; 128 with --tiny)",
+        "32 up to it (default: 32k; 128 with --tiny)",
     )
     add(
         "--batch",

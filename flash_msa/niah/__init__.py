@@ -8,11 +8,12 @@ key blocks of the true attention (oracle_topk), and MSA (dense warm-up, then top
 its KL loss). evaluate.py scores the grid of context length x needle depth; report.py writes
 niah.json, niah.md and niah.png; suite.py runs it all, resumably.
 
-On a GPU (an H200: about 3-5 minutes of training per variant at the defaults, 4 layers,
-d 512, 8 query / 2 kv heads, 5000 steps of 32K tokens at lengths 512-32K, then a minute
-or less of timing and evaluation at 2K-32K)::
+On a GPU (an H200: about 1-2 minutes per variant at the defaults, 4 layers, d 512, 8 query /
+2 kv heads, 1500 steps of 32K tokens at lengths 32-32K, the schedule's model FLOPs 31 s for
+dense and 25-27 s for the others at 300 TFLOP/s of attention and 150 of the rest, then
+timing and the evaluation at 2K-32K)::
 
-    flash-msa niah --out benchmarks/results/h200 --max-minutes 7
+    flash-msa niah --out benchmarks/results/h200 --max-minutes 9
 
 --max-minutes saves a checkpoint and stops training when the budget is spent (exit status
 75; the timing and evaluation of a variant whose training finished still follow, so leave a
@@ -20,7 +21,7 @@ minute or two of headroom under a hard limit);
 the same command resumes from niah-checkpoints/ (--checkpoint-dir), skipping the variants
 already trained and evaluated, until all four are done and the report is written (exit 0)::
 
-    until flash-msa niah --out benchmarks/results/h200 --max-minutes 7; do
+    until flash-msa niah --out benchmarks/results/h200 --max-minutes 9; do
         [ $? -eq 75 ] || break
     done
 

@@ -163,7 +163,8 @@ def run_suite(
         checkpoint_path = checkpoint_dir / f"{variant}.pt"
         tokens = train_config.batch * train_config.train_len
         log(
-            f"{variant}: {train_config.steps} steps of {tokens:,} tokens, lengths "
+            f"{variant}: {train_config.steps} steps of {tokens:,} tokens (at most "
+            f"{train_config.max_sequences} sequences), lengths "
             f"{label(train_config.min_len)}-{label(train_config.train_len)}, "
             f"{schedule_flops(model_config, variant, train_config, 0) / 1e15:.2f} PFLOP in all"
             f"; checkpoint {checkpoint_path}" + (" (resuming)" if checkpoint_path.exists() else "")

@@ -1,9 +1,12 @@
 """Training of one variant on the needle tasks: the schedule, the loop and its checkpoint.
 
-Every step holds batch * train_len tokens: samples of one length, drawn from the powers of
-two between min_len and train_len, the longest allowed growing over the first `curriculum`
-fraction of the steps (short contexts train fast; long ones teach the attention to stay sharp
-over 32K keys). Lengths, tasks and tokens are functions of (seed, step), so every variant
+Every step holds batch * train_len tokens (at most max_sequences samples, which caps the
+shortest lengths): samples of one length, drawn from the powers of two between min_len and
+train_len, the longest allowed growing over the first `curriculum` fraction of the steps.
+The first steps hold only min_len = 32 tokens per sample, mostly needles, queries and
+answers: where a fresh model's uniform attention gives a needle the most weight, and so
+where the lookup starts to be learned. Long contexts then teach the attention to stay sharp
+over 32K keys. Lengths, tasks and tokens are functions of (seed, step), so every variant
 trains on the same data. The loss is the mean cross-entropy over the answer tokens and the
 haystack's repeated phrase tokens, each of these weighing lm_weight (a language-model loss
 where the haystack can be predicted: it teaches copying from context, which the answers
@@ -44,7 +47,9 @@ class TrainConfig:
         train_len, min_len: the longest and the shortest training length, in tokens; powers
             of two apart.
         batch: sequences per step at train_len; shorter steps hold proportionally more, so
-            every step trains batch * train_len tokens.
+            every step trains batch * train_len tokens, up to max_sequences sequences.
+        max_sequences: the most sequences of a step: steps of the shortest lengths train
+            fewer tokens, and their batches (built sample by sample) stay quick to build.
         lr, lr_warmup, weight_decay, grad_clip: AdamW's peak learning rate, its linear
             warm-up in steps, decoupled weight decay (matrices only), global norm clip.
         lm_weight: weight of a repeated haystack token against an answer token's 1.
@@ -55,12 +60,13 @@ class TrainConfig:
         seed: seed of the data and of the initial parameters.
     """
 
-    steps: int = 5000
+    steps: int = 1500
     train_len: int = 32768
-    min_len: int = 512
+    min_len: int = 32
     batch: int = 1
+    max_sequences: int = 128
     lr: float = 1e-3
-    lr_warmup: int = 200
+    lr_warmup: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     lm_weight: float = 0.25
@@ -71,10 +77,16 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "train_len", "min_len", "batch", "checkpoint_every"):
+        positive = ("steps", "train_len", "min_len", "batch", "max_sequences", "checkpoint_every")
+        for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_sequences < self.batch:
+            raise ValueError(
+                f"max_sequences {self.max_sequences} must be at least batch {self.batch} (the "
+                "sequences of a step at train_len)"
+            )
         ratio = self.train_len // self.min_len
         if self.train_len % self.min_len or ratio & (ratio - 1):
             raise ValueError(
@@ -98,7 +110,8 @@ class TrainConfig:
         return lengths[int(rng.integers(0, min(allowed, len(lengths))))]
 
     def batch_size_at(self, length: int) -> int:
-        return self.batch * self.train_len // length
+        """Sequences of a step at length: batch * train_len tokens, at most max_sequences."""
+        return min(self.batch * self.train_len // length, self.max_sequences)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over lr_warmup steps, then cosine decay to lr / 10."""
@@ -162,8 +175,10 @@ def step_flops(config: ModelConfig, variant: str, length: int, tokens: int) -> f
 
 def schedule_flops(model: ModelConfig, variant: str, config: TrainConfig, start: int) -> float:
     """Model FLOPs of steps start .. steps - 1 (for the progress bar and its ETA)."""
-    tokens = config.batch * config.train_len
-    costs = {length: step_flops(model, variant, length, tokens) for length in config.lengths()}
+    costs = {
+        length: step_flops(model, variant, length, config.batch_size_at(length) * length)
+        for length in config.lengths()
+    }
     return sum(costs[config.length_at(step)] for step in range(start, config.steps))
 
 

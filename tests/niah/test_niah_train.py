@@ -31,6 +31,7 @@ def test_schedule_lengths_curriculum_and_learning_rate():
     assert set(lengths[:50]) == {512}  # the curriculum starts short ...
     assert max(lengths[:200]) < 32768 and set(lengths[400:]) == set(config.lengths())  # ... grows
     assert config.batch_size_at(512) == 64 and config.batch_size_at(32768) == 1
+    assert config.batch_size_at(32) == config.max_sequences == 128  # not 1024
     assert config.lr_at(0) == pytest.approx(1e-5) and config.lr_at(99) == pytest.approx(1e-3)
     assert config.lr_at(999) == pytest.approx(1e-4, rel=1e-3)  # cosine down to a tenth
     assert config.dense_warmup_at(499, "msa") and not config.dense_warmup_at(500, "msa")
@@ -45,6 +46,12 @@ def test_flop_model():
     total = schedule_flops(MODEL, "dense", SCHEDULE, 0)
     assert total == pytest.approx(
         sum(step_flops(MODEL, "dense", SCHEDULE.length_at(s), 256) for s in range(3))
+    )
+    capped = dataclasses.replace(SCHEDULE, max_sequences=1)  # one sequence per step
+    lengths = [capped.length_at(step) for step in range(3)]
+    assert 128 in lengths  # a step of fewer tokens than 256
+    assert schedule_flops(MODEL, "dense", capped, 0) == pytest.approx(
+        sum(step_flops(MODEL, "dense", length, length) for length in lengths)
     )
 
 
@@ -102,6 +109,7 @@ def test_step_timing_changes_no_parameter():
         (dict(train_len=384), "min_len 128 times a power of two"),
         (dict(steps=0), "steps must be a positive int"),
         (dict(curriculum=1.5), "curriculum must be a fraction"),
+        (dict(batch=4, max_sequences=2), "max_sequences 2 must be at least batch 4"),
     ],
 )
 def test_config_errors(changes, match):
