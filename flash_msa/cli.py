@@ -670,7 +670,7 @@ def _add_niah_parser(commands) -> None:
         "--steps",
         type=int,
         default=None,
-        help="training steps per variant (default: 1500; 2 with --tiny)",
+        help="training steps per variant (default: 2000; 2 with --tiny)",
     )
     add(
         "--train-len",

@@ -9,9 +9,9 @@ its KL loss). evaluate.py scores the grid of context length x needle depth; repo
 niah.json, niah.md and niah.png; suite.py runs it all, resumably.
 
 On a GPU (an H200: about 1-2 minutes per variant at the defaults, 4 layers, d 512, 8 query /
-2 kv heads, 1500 steps of 32K tokens at lengths 32-32K, the schedule's model FLOPs 31 s for
-dense and 25-27 s for the others at 300 TFLOP/s of attention and 150 of the rest, then
-timing and the evaluation at 2K-32K)::
+2 kv heads, 2000 steps of up to 32K tokens at lengths 32-32K): the schedule's model FLOPs,
+5.7 PFLOP for dense and 3.8-4.3 for the others, take 29 s and 22-24 s at 300 TFLOP/s of
+attention and 150 of the rest, the grid's forwards at 2K-32K 15 s and 7-8 s more::
 
     flash-msa niah --out benchmarks/results/h200 --max-minutes 9
 

@@ -60,7 +60,7 @@ class TrainConfig:
         seed: seed of the data and of the initial parameters.
     """
 
-    steps: int = 1500
+    steps: int = 2000
     train_len: int = 32768
     min_len: int = 32
     batch: int = 1
@@ -72,7 +72,7 @@ class TrainConfig:
     lm_weight: float = 0.25
     kl_weight: float = 0.1
     msa_warmup: float = 0.5
-    curriculum: float = 0.4
+    curriculum: float = 0.6
     checkpoint_every: int = 500
     seed: int = 0
 

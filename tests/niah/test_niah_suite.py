@@ -53,7 +53,7 @@ def test_settings_follow_the_options_then_the_preset():
     model, _, train, grid = build_configs(seed=5, train_len=256)
     assert (model.layers, model.dim, model.heads, model.kv_heads) == (4, 512, 8, 2)
     assert (train.seed, grid.seed, train.min_len, train.train_len) == (5, 5, 32, 256)
-    assert (train.steps, train.lr) == (1500, 1e-3)
+    assert (train.steps, train.lr, train.curriculum) == (2000, 1e-3, 0.6)
     _, _, train, _ = build_configs(train_len=16)  # the shortest length capped at the longest
     assert (train.min_len, train.train_len) == (16, 16)
     with pytest.raises(ValueError, match="unknown settings"):
