@@ -684,7 +684,7 @@ def _add_niah_parser(commands) -> None:
         type=int,
         default=None,
         help="sequences per step at --train-len; shorter steps hold more, so each step trains "
-        "BATCH x TRAIN_LEN tokens (default: 1)",
+        "BATCH x TRAIN_LEN tokens, in at most 128 sequences (default: 1)",
     )
     add("--layers", type=int, default=None, help="decoder layers (default: 4; 2 with --tiny)")
     add("--dim", type=int, default=None, help="model width (default: 512; 64 with --tiny)")
