@@ -31,17 +31,11 @@ import tempfile
 
 import torch
 
+from flash_msa.bench import parse_length
 from flash_msa.niah import ModelConfig, NeedleConfig, NeedleLM, TrainConfig, init_parameters, train
 from flash_msa.niah.report import run_meta
 
 NAME = "train_million"
-
-
-def parse_length(text: str) -> int:
-    """'1m' -> 1048576, '512k' -> 524288, '512' -> 512."""
-    text = text.strip().lower()
-    units = {"k": 1 << 10, "m": 1 << 20}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def default_out(device: torch.device) -> pathlib.Path:
