@@ -390,7 +390,8 @@ def collate(samples: list[Sample]) -> Batch:
 
 def training_batch(step: int, length: int, batch_size: int, config: NeedleConfig, seed: int):
     """The training batch of a step: batch_size samples of length tokens, each a recall
-    sample (RECALL_SHARE of them) or an evaluation task at random depths; a function of
+    sample (RECALL_SHARE of them) or an evaluation task placed as the grid places it, at a
+    uniform random depth (a multivalue key's needles one after another); a function of
     (seed, step) alone, so every variant trains on the same data and a resumed run
     continues the same sequence.
 
@@ -404,5 +405,5 @@ def training_batch(step: int, length: int, batch_size: int, config: NeedleConfig
             samples.append(make_recall_sample(length, config, rng))
         else:
             task = TASKS[int(rng.integers(0, len(TASKS)))]
-            samples.append(make_sample(task, length, config, rng))
+            samples.append(make_sample(task, length, config, rng, depth=rng.random()))
     return collate(samples)
