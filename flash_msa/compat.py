@@ -14,7 +14,6 @@ from flash_msa.msa.interface import msa_func
 from flash_msa.sequences import check_cu_seqlens
 
 KV_BLOCK = 128  # poolside's block size: top_k is a multiple of it
-Q_BLOCK = 64  # the main attention's query tile
 
 
 def _check_tensors(named: dict[str, torch.Tensor]) -> None:
@@ -115,7 +114,7 @@ def flash_msa_func(
     if cu_seqlens is not None:
         tensors = [tensor.reshape(batch * seq_len, *tensor.shape[2:]) for tensor in tensors]
     out, kl_loss = msa_func(
-        *tensors, top_k=top_k // KV_BLOCK, q_block=Q_BLOCK, kv_block=KV_BLOCK,
+        *tensors, top_k=top_k // KV_BLOCK, kv_block=KV_BLOCK,
         softmax_scale=scale, proxy_softmax_scale=scale, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     return out.reshape(batch, seq_len, heads_q * head_dim), kl_loss

@@ -10,7 +10,7 @@ from torch import nn
 from flash_msa import distributed, patterns
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
-from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES
+from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -169,7 +169,8 @@ class MSAAttention(_ProjectedAttention):
     four by position. Each proxy head picks top_k key blocks (of kv_block positions) for every
     query token (granularity "token", MiniMax's; "block": one choice per query block of
     q_block positions, cheaper and coarser) of its num_heads / num_proxy_heads query heads, and
-    the main attention, always causal, runs over those blocks only.
+    the main attention, always causal, runs over those blocks only. q_block None: 16 for
+    "token" (only the main attention's query tile there), 64 for "block".
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
     projection learns from kl_loss alone (it reads x detached), and kl_loss sends no gradient
@@ -193,7 +194,7 @@ class MSAAttention(_ProjectedAttention):
         proxy_head_dim: int = 128,
         num_proxy_kv_heads: int = 1,
         top_k: int = 16,
-        q_block: int = 64,
+        q_block: int | None = None,
         kv_block: int = 128,
         granularity: str = "token",
         rope_base: float = 10000.0,
@@ -205,6 +206,7 @@ class MSAAttention(_ProjectedAttention):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
         if not isinstance(granularity, str) or granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        q_block = default_q_block(q_block, granularity)
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
             proxy_head_dim=proxy_head_dim,

@@ -20,7 +20,7 @@ from flash_msa.distributed import comm
 from flash_msa.distributed.plan import CpPlan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.msa.block_scores import block_scores
-from flash_msa.msa.interface import MsaSelection, check_msa_inputs
+from flash_msa.msa.interface import MsaSelection, check_msa_inputs, default_q_block
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func
@@ -93,7 +93,7 @@ def msa_func_cp(
     *,
     group: dist.ProcessGroup | None = None,
     top_k: int = 16,
-    q_block: int = 64,
+    q_block: int | None = None,
     kv_block: int = 128,
     softmax_scale: float | None = None,
     proxy_softmax_scale: float | None = None,
@@ -110,7 +110,7 @@ def msa_func_cp(
         plan: cp_plan of patterns.causal(S, q_block=q_block, kv_block=kv_block) for the
             group's size ("headtail" balances MSA's scoring, which grows with position).
         top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup, granularity:
-            as msa_func.
+            as msa_func (q_block None: 16 for "token", 64 for "block", the plan's).
         cu_seqlens: int32 [N + 1], the documents packed in every row of the whole
             sequence (the same on every rank; ends at S): nothing crosses a document.
 
@@ -120,10 +120,11 @@ def msa_func_cp(
         Backpropagate kl_loss on every rank: each rank's terms get their gradient there.
 
     Examples:
-        >>> plan = cp_plan(patterns.causal(S, q_block=64, kv_block=128), world, balance="headtail")
+        >>> plan = cp_plan(patterns.causal(S, q_block=16, kv_block=128), world, balance="headtail")
         >>> index = plan.token_index(rank)
         >>> out, kl = msa_func_cp(*(t[:, index] for t in (qp, kp, q, k, v)), plan)
     """
+    q_block = default_q_block(q_block, granularity)
     check_msa_inputs(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale,
                      None, granularity)  # fmt: skip
     _check_plan(plan, q_block, kv_block)

@@ -60,7 +60,7 @@ from flash_msa.integrations.transformers import (
 from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
-from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES
+from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
@@ -224,7 +224,7 @@ def convert_to_msa(
     top_k: int = 16,
     num_proxy_heads: int = 4,
     proxy_head_dim: int = 128,
-    q_block: int = 64,
+    q_block: int | None = None,
     kv_block: int = 128,
     granularity: str = "token",
 ):
@@ -243,7 +243,8 @@ def convert_to_msa(
         num_proxy_heads: proxy query heads per layer; it must divide the query heads and be
             a multiple of the key-value heads. One proxy key head serves them all.
         proxy_head_dim: the proxy heads' dim (even: rotary embeddings rotate pairs).
-        q_block, kv_block: msa_func's block sizes, q_block <= kv_block (MiniMax: 64 and 128).
+        q_block, kv_block: msa_func's block sizes, q_block <= kv_block (None: msa_func's
+            default for the granularity: 16 for "token", 64 for "block").
         granularity: msa_func's: "token" (each token's own blocks, MiniMax's) or "block"
             (one choice per query block, cheaper).
 
@@ -266,7 +267,8 @@ def convert_to_msa(
         )
     settings = dict(
         top_k=top_k, num_proxy_heads=num_proxy_heads, proxy_head_dim=proxy_head_dim,
-        q_block=q_block, kv_block=kv_block, granularity=granularity,
+        q_block=default_q_block(q_block, granularity), kv_block=kv_block,
+        granularity=granularity,
         rope_base=_rope_base(model.config), warmup=False,
     )  # fmt: skip
     _attach(model, settings)

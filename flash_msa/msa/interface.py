@@ -16,6 +16,15 @@ from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 GRANULARITIES = ("token", "block")
+# q_block by default: block's selection unit; token's main attention tile (16 tokens, GQA-
+# packed to 64 rows, hold a smaller union of choices than 64: docs/performance.md).
+DEFAULT_Q_BLOCKS = {"token": 16, "block": 64}
+
+
+def default_q_block(q_block: int | None, granularity: str) -> int:
+    """q_block, or the granularity's default where it is None (an unknown granularity is
+    left to check_msa_inputs)."""
+    return DEFAULT_Q_BLOCKS.get(granularity, 64) if q_block is None else q_block
 
 
 class MsaSelection(NamedTuple):
@@ -213,7 +222,7 @@ def msa_func(
     v: torch.Tensor,
     *,
     top_k: int = 16,
-    q_block: int = 64,
+    q_block: int | None = None,
     kv_block: int = 128,
     softmax_scale: float | None = None,
     proxy_softmax_scale: float | None = None,
@@ -238,8 +247,9 @@ def msa_func(
         q: [B, S, H_q, D]; k, v: [B, S, H_kv, D]; H_q a multiple of H_p, H_p of H_kv and of
             H_pk. With cu_seqlens every tensor is packed [T, H, D].
         top_k: key blocks per token (or query block) and proxy head, its own included.
-        q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128); q_block at
-            most 64 for granularity "token" (the main attention's query tile).
+        q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128); for
+            granularity "token" q_block is only the main attention's query tile, at most 64
+            (None: 16 for "token", 64 for "block").
         softmax_scale, proxy_softmax_scale: default 1 / sqrt(D) and 1 / sqrt(D_p).
         cu_seqlens: int32 [N + 1] of packed documents; nothing crosses a document.
         warmup: attend over every causal block (dense) while the proxy trains on the full
@@ -260,6 +270,7 @@ def msa_func(
         >>> out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, top_k=16)
         >>> (task_loss(out) + 0.1 * kl_loss).backward()
     """
+    q_block = default_q_block(q_block, granularity)
     check_msa_inputs(
         q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens,
         granularity,
