@@ -1,7 +1,8 @@
-"""MiniMax Sparse Attention: learned block selection trained by a KL loss."""
+"""MiniMax Sparse Attention: learned block selection (per token or per query block) trained
+by a KL loss."""
 
 from flash_msa.msa.block_scores import block_scores
-from flash_msa.msa.interface import msa_func
+from flash_msa.msa.interface import MsaSelection, msa_func
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.reference import (
     block_scores_reference,
@@ -12,6 +13,7 @@ from flash_msa.msa.reference import (
 from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 
 __all__ = [
+    "MsaSelection",
     "block_scores",
     "block_scores_reference",
     "msa_func",
