@@ -82,14 +82,24 @@ def token_blocks(selection: MsaSelection, seq_len: int) -> torch.Tensor:
     return blocks
 
 
-def attended_pairs(selection: MsaSelection, seq_len: int) -> int:
-    """The (query, key) pairs, key <= query, the main attention computes per layout head."""
-    layout = selection.layout
-    blocks = token_blocks(selection, seq_len)  # [L, S, nk]
-    tokens = torch.arange(seq_len, device=blocks.device)[:, None]  # [S, 1]
-    first_keys = torch.arange(layout.num_kv_blocks, device=blocks.device) * layout.kv_block
-    visible = (tokens - first_keys + 1).clamp(0, layout.kv_block)  # [S, nk]
-    return int((blocks * visible).sum())
+def attended_pairs(selection: MsaSelection, seq_len: int, chunk: int = 1 << 22) -> int:
+    """The (query, key <= query) pairs the main attention computes, summed over layout heads:
+    per entry (tile, block, word) and query t of the tile whose bit is set, the block's keys
+    up to the query, a chunk of entries at a time (at 1M tokens nothing [S, nk] fits)."""
+    layout, words = selection
+    rows = layout.entry_rows() % layout.num_q_blocks  # [nnz]
+    bits = torch.arange(layout.q_block, device=rows.device)  # [q_block]
+    total = 0
+    for first in range(0, rows.numel(), chunk):
+        part = slice(first, first + chunk)
+        queries = rows[part, None] * layout.q_block + bits  # [n, q_block]
+        first_keys = layout.col_indices[part, None].long() * layout.kv_block  # [n, 1]
+        keys = (queries - first_keys + 1).clamp(0, layout.kv_block)  # [n, q_block]
+        chosen = queries < seq_len
+        if words is not None:
+            chosen &= (words[part, None] >> bits & 1).bool()
+        total += int((keys * chosen).sum())
+    return total
 
 
 def run_msa(
