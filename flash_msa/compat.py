@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa.msa.interface import msa_func
-from flash_msa.sequences import check_cu_seqlens
+from flash_msa.sequences import check_cu_seqlens, check_document_ids
 
 KV_BLOCK = 128  # poolside's block size: top_k is a multiple of it
 
@@ -39,22 +39,11 @@ def _check_top_k(top_k) -> None:
         )
 
 
-def _documents_as_cu_seqlens(document_ids: torch.Tensor, batch: int, seq_len: int):
+def _documents_as_cu_seqlens(document_ids: torch.Tensor, batch: int, seq_len: int, device):
     """cu_seqlens over the B * S flattened tokens from document ids [B, S] (non-decreasing
     along S): a document starts where the id changes and at every row's start."""
-    if not isinstance(document_ids, torch.Tensor):
-        raise TypeError(f"document_ids must be a torch.Tensor, got {type(document_ids).__name__}")
-    if document_ids.dtype.is_floating_point or document_ids.dtype in (torch.bool,):
-        raise TypeError(f"document_ids must hold integers, got {document_ids.dtype}")
-    if tuple(document_ids.shape) != (batch, seq_len):
-        raise ValueError(
-            f"document_ids must be [B, S] = [{batch}, {seq_len}], got {list(document_ids.shape)}"
-        )
-    if seq_len > 1 and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
-        raise ValueError(
-            "document_ids must be non-decreasing along S (each document one run of tokens)"
-        )
-    starts = torch.ones(batch, seq_len, dtype=torch.bool, device=document_ids.device)
+    check_document_ids(document_ids, batch, seq_len, device)
+    starts = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     bounds = torch.nonzero(starts.flatten()).flatten()
     end = torch.tensor([batch * seq_len], device=bounds.device)
@@ -106,7 +95,7 @@ def flash_msa_func(
     if document_ids is not None and cu_seqlens is not None:
         raise ValueError("pass document_ids or cu_seqlens, not both")
     if document_ids is not None:
-        cu_seqlens = _documents_as_cu_seqlens(document_ids, batch, seq_len)
+        cu_seqlens = _documents_as_cu_seqlens(document_ids, batch, seq_len, q.device)
     elif cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, total_tokens=batch * seq_len, device=q.device)
         _check_row_bounds(cu_seqlens, batch, seq_len)

@@ -119,7 +119,7 @@ def test_sgd_steps_match_the_eager_model(poisoned_allocations):
         (dict(document_ids=torch.zeros(1, SEQ_LEN), cu_seqlens=torch.tensor([0, SEQ_LEN])),
          ValueError, "not both"),
         (dict(document_ids=torch.tensor([[1] * 150 + [0] * 150])), ValueError, "non-decreasing"),
-        (dict(document_ids=torch.zeros(1, SEQ_LEN)), TypeError, "integers"),
+        (dict(document_ids=torch.zeros(1, SEQ_LEN)), TypeError, "int32 or int64"),
         (dict(document_ids=torch.zeros(2, SEQ_LEN, dtype=torch.long)), ValueError, r"\[1, 300\]"),
     ],
 )  # fmt: skip
