@@ -69,7 +69,11 @@ def _rank_selection(
             )  # fmt: skip
             return MsaSelection(
                 *token_selection_layout(
-                    selected, seq_len=q_proxy.shape[1], **blocks, seq_len_kv=seq_len
+                    selected,
+                    seq_len=q_proxy.shape[1],
+                    **blocks,
+                    seq_len_kv=seq_len,
+                    check=False,
                 )
             )
         scores = block_scores(

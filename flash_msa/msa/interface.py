@@ -138,7 +138,7 @@ def _token_selection(
         q_proxy, k_proxy, top_k=top_k, kv_block=kv_block, document_ids=document_ids
     )
     layout, query_masks = token_selection_layout(
-        selected, seq_len=q_proxy.shape[1], q_block=q_block, kv_block=kv_block
+        selected, seq_len=q_proxy.shape[1], q_block=q_block, kv_block=kv_block, check=False
     )
     transposed = layout.transpose()
     return (

@@ -362,8 +362,8 @@ def select_tokens(
     return selected
 
 
-def _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block) -> int:
-    """Validate token_selection_layout's arguments; returns the number of kv blocks."""
+def _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block) -> None:
+    """Validate token_selection_layout's arguments."""
     if not isinstance(selected, torch.Tensor):
         raise TypeError(f"selected must be a torch.Tensor, got {type(selected).__name__}")
     if selected.dtype != torch.int32:
@@ -402,7 +402,6 @@ def _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block) -> int:
             f"the end only (select_tokens' format); batch {batch}, head {head}, token {token} "
             f"holds {selected[batch, head, token].tolist()}"
         )
-    return num_kv_blocks
 
 
 def token_selection_layout(
@@ -412,6 +411,7 @@ def token_selection_layout(
     q_block: int,
     kv_block: int,
     seq_len_kv: int | None = None,
+    check: bool = True,
 ) -> tuple[BlockLayout, torch.Tensor]:
     """The blocks a query tile's tokens selected, as the main attention's layout.
 
@@ -421,6 +421,8 @@ def token_selection_layout(
         seq_len: S; q_block: query tile size, at most 64; kv_block: the selection's block.
         seq_len_kv: the keys' length (None: seq_len), longer when the queries are some
             blocks of the sequence (select_tokens' q_blocks): the rows are then those blocks.
+        check: validate selected (one pass and one read from the device); False for
+            select_tokens' own output, which has the format by construction.
 
     Returns:
         layout: row r of layout (b, p) (layout_batch B, layout_heads H_p) holds the union of
@@ -431,7 +433,9 @@ def token_selection_layout(
     Memory is O(B * H_p * S * top_k): the selected entries are ranked by one sort.
     """
     seq_len_kv = seq_len if seq_len_kv is None else seq_len_kv
-    num_kv_blocks = _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block)
+    if check:
+        _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block)
+    num_kv_blocks = math.ceil(seq_len_kv / kv_block)
     batch, heads, _, top_k = selected.shape
     num_q_blocks = math.ceil(seq_len / q_block)
     device = selected.device
