@@ -141,6 +141,134 @@ def _dq_kernel(
 
 
 @triton.jit
+def key_program(
+    k, v, kv_head, key_row_first, kv_block_positions, stride_k_s, stride_k_h,
+    stride_v_s, stride_v_h, seq_len_kv, position_seq_len, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """What a dK/dV program holds for its life: its key rows and positions [BLOCK_N], the
+    first key position, and its K and V tiles [BLOCK_N, D_PAD] (k, v point at this batch
+    row; rows past the keys' end read as 0)."""
+    key_rows = key_row_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    key_first, key_positions = global_positions(key_row_first, key_rows, KV_BLOCK,
+                                                kv_block_positions, HAS_POSITIONS)  # fmt: skip
+    key_end = position_seq_len if HAS_POSITIONS else seq_len_kv
+    key_valid = key_positions < key_end  # [BLOCK_N] rows that hold keys
+    k_source = tile_source(k, kv_head, stride_k_s, stride_k_h, seq_len_kv, HEAD_DIM, BLOCK_N,
+                           HEAD_DIM_PAD, TMA)  # fmt: skip
+    k_tile = load_tile(k_source, key_row_first, key_rows, kv_head, key_valid, stride_k_s,
+                       stride_k_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+    v_source = tile_source(v, kv_head, stride_v_s, stride_v_h, seq_len_kv, HEAD_DIM, BLOCK_N,
+                           HEAD_DIM_PAD, TMA)  # fmt: skip
+    v_tile = load_tile(v_source, key_row_first, key_rows, kv_head, key_valid, stride_v_s,
+                       stride_v_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+    return key_rows, key_first, key_positions, k_tile, v_tile
+
+
+@triton.jit
+def query_chunk(
+    q, grad_out, row_offsets, chunk, kv_head, batch, key_row_first, stride_q_s, stride_q_h,
+    stride_grad_out_s, stride_grad_out_h, stride_layout, seq_len_q, group, layout_batch_stride,
+    layout_head_divisor, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr,
+    TMA: tl.constexpr,
+):  # fmt: skip
+    """PACK query heads of the group at a time: a chunk's first head, its [start, end) steps
+    along the transposed layout's row of the program's kv block (each chunk reads its own
+    layout row when layout heads are per query head; then PACK = 1), and where its q and dO
+    tiles come from (q, grad_out point at this batch row)."""
+    ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
+    first_head = kv_head * group + chunk * PACK
+    layout = batch * layout_batch_stride + first_head // layout_head_divisor
+    step_start, step_end = row_steps(
+        row_offsets, layout, stride_layout, key_row_first // KV_BLOCK, Q_BLOCK // ROWS
+    )
+    q_source = tile_source(q, first_head, stride_q_s, stride_q_h, seq_len_q, HEAD_DIM, ROWS,
+                           HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    do_source = tile_source(grad_out, first_head, stride_grad_out_s, stride_grad_out_h,
+                            seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
+    return first_head, step_start, step_end, q_source, do_source
+
+
+@triton.jit
+def dkdv_step(
+    dk, dv, k_tile, v_tile, q_source, do_source, lse, delta, row_indices, documents,
+    q_block_positions, query_masks, step, batch, first_head, key_first, key_positions,
+    stride_q_s, stride_q_h, stride_grad_out_s, stride_grad_out_h, stride_lse_b, stride_lse_h,
+    dropout_p, dropout_seed, seq_len_q, query_end, key_end, qk_scale, window_left,
+    window_right, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):  # fmt: skip
+    """One query tile of a dK/dV program (step along the transposed layout's row): dK and dV
+    [BLOCK_N, D_PAD] accumulated, plus the tile's transposed dS [BLOCK_N, BLOCK_M] (fp32,
+    before softmax_scale) and its rows, heads and validity [BLOCK_M], for a caller that
+    also wants dQ. lse and delta are fp32 [B, H_q, S_q]; documents points at this batch
+    row's ids."""
+    ROW_TMA: tl.constexpr = TMA and PACK == 1
+    STEPS_PER_BLOCK: tl.constexpr = Q_BLOCK // ROWS
+    first_row = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
+    rows, heads = packed_rows(first_row, first_head, ROWS, PACK)  # [BLOCK_M] x2
+    row_valid = rows < seq_len_q  # [BLOCK_M]
+    query_first, query_positions = global_positions(
+        first_row, rows, Q_BLOCK, q_block_positions, HAS_POSITIONS
+    )  # [BLOCK_M]
+    q_tile = load_tile(q_source, first_row, rows, heads, row_valid, stride_q_s, stride_q_h,
+                       HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
+    do_tile = load_tile(do_source, first_row, rows, heads, row_valid, stride_grad_out_s,
+                        stride_grad_out_h, HEAD_DIM, HEAD_DIM_PAD,
+                        ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
+    lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + rows
+    row_lse = log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
+    row_delta = tl.load(delta + lse_offsets, mask=row_valid, other=0.0)  # [BLOCK_M]
+
+    # Transposed scores, so that dK and dV accumulate as [BLOCK_N, D] without transposes.
+    scores = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
+    scores *= qk_scale  # [BLOCK_N, BLOCK_M], log2 units
+    query_documents = documents_of(documents, query_positions, query_end, HAS_DOCUMENTS)
+    query_mask = query_mask_word(query_masks, step // STEPS_PER_BLOCK, HAS_QUERY_MASKS)
+    scores = mask_scores(
+        scores, query_positions[None, :], key_positions[:, None], query_first,
+        query_first + ROWS - 1, key_first, BLOCK_N, key_end, window_left, window_right,
+        HAS_LEFT, HAS_RIGHT, documents, query_documents[None, :], HAS_DOCUMENTS, query_mask,
+        Q_BLOCK, ROWS, HAS_QUERY_MASKS,
+    )  # fmt: skip  # [BLOCK_N, BLOCK_M]
+    probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
+    grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:  # dV from the kept, rescaled probabilities; dP likewise
+        scale = dropout_scale(
+            dropout_seed, batch, heads[None, :], query_positions[None, :],
+            key_positions[:, None], dropout_p,
+        )  # fmt: skip  # [BLOCK_N, BLOCK_M]
+        dv = tl.dot((probs * scale).to(do_tile.dtype), do_tile, dv,
+                    input_precision=DOT_PRECISION)  # fmt: skip
+        grad_probs *= scale
+    else:
+        dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
+    grad_scores = probs * (grad_probs - row_delta[None, :])  # [BLOCK_N, BLOCK_M]
+    dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
+    return dk, dv, grad_scores, rows, heads, row_valid
+
+
+@triton.jit
+def store_dkdv(
+    grad_k, grad_v, dk, dv, key_rows, kv_head, stride_grad_k_s, stride_grad_k_h,
+    stride_grad_v_s, stride_grad_v_h, seq_len_kv, softmax_scale, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """Write a dK/dV program's dK (times softmax_scale) and dV [BLOCK_N, D_PAD] (grad_k,
+    grad_v point at this batch row); with positions its padding rows too (zeros)."""
+    row_valid = key_rows < seq_len_kv  # [BLOCK_N]
+    dk_offsets = element_offsets(key_rows, kv_head, stride_grad_k_s, stride_grad_k_h)
+    store_rows(grad_k, dk_offsets, row_valid, dk * softmax_scale, HEAD_DIM, HEAD_DIM_PAD)
+    dv_offsets = element_offsets(key_rows, kv_head, stride_grad_v_s, stride_grad_v_h)
+    store_rows(grad_v, dv_offsets, row_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
 def _dkdv_kernel(
     q, k, v, grad_out, lse, delta, grad_k, grad_v, row_offsets, row_indices, documents,
     q_block_positions, kv_block_positions, query_masks,
@@ -165,93 +293,42 @@ def _dkdv_kernel(
     blocks, whose positions come from kv_block_positions and q_block_positions; a slot's
     padding rows (past the sequence end) get dK = dV = 0. HAS_QUERY_MASKS: query_masks are
     the words in the transposed layout's order (aligned with row_indices)."""
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
-    key_row_first = tile * BLOCK_N
-
-    key_rows = key_row_first + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    key_first, key_positions = global_positions(key_row_first, key_rows, KV_BLOCK,
-                                                kv_block_positions, HAS_POSITIONS)  # fmt: skip
+    key_row_first = tl.program_id(0) * BLOCK_N
     query_end = position_seq_len if HAS_POSITIONS else seq_len_q
     key_end = position_seq_len if HAS_POSITIONS else seq_len_kv
-    key_valid = key_positions < key_end  # [BLOCK_N] rows that hold keys
-    k_source = tile_source(k + batch * stride_k_b, kv_head, stride_k_s, stride_k_h, seq_len_kv,
-                           HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    k_tile = load_tile(k_source, key_row_first, key_rows, kv_head, key_valid, stride_k_s,
-                       stride_k_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
-    v_source = tile_source(v + batch * stride_v_b, kv_head, stride_v_s, stride_v_h, seq_len_kv,
-                           HEAD_DIM, BLOCK_N, HEAD_DIM_PAD, TMA)  # fmt: skip
-    v_tile = load_tile(v_source, key_row_first, key_rows, kv_head, key_valid, stride_v_s,
-                       stride_v_h, HEAD_DIM, HEAD_DIM_PAD, TMA)  # fmt: skip  # [BLOCK_N, D_PAD]
+    key_rows, key_first, key_positions, k_tile, v_tile = key_program(
+        k + batch * stride_k_b, v + batch * stride_v_b, kv_head, key_row_first,
+        kv_block_positions, stride_k_s, stride_k_h, stride_v_s, stride_v_h, seq_len_kv,
+        position_seq_len, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK, BLOCK_N, HAS_POSITIONS, TMA,
+    )  # fmt: skip  # [BLOCK_N] x3 and [BLOCK_N, D_PAD] x2
     documents += batch * stride_documents_b
-    ROW_TMA: tl.constexpr = TMA and PACK == 1  # a packed tile's rows are not one head's run
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
-    STEPS_PER_BLOCK: tl.constexpr = Q_BLOCK // ROWS
     for chunk in range(0, group // PACK):
-        # PACK heads of the group at a time; each chunk reads its own layout row when
-        # layout heads are per query head (then PACK = 1).
-        first_head = kv_head * group + chunk * PACK
-        layout = batch * layout_batch_stride + first_head // layout_head_divisor
-        step_start, step_end = row_steps(
-            row_offsets, layout, stride_layout, key_row_first // KV_BLOCK, STEPS_PER_BLOCK
-        )
-        q_source = tile_source(q + batch * stride_q_b, first_head, stride_q_s, stride_q_h,
-                               seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-        do_source = tile_source(
-            grad_out + batch * stride_grad_out_b, first_head, stride_grad_out_s,
-            stride_grad_out_h, seq_len_q, HEAD_DIM, ROWS, HEAD_DIM_PAD, ROW_TMA,
+        first_head, step_start, step_end, q_source, do_source = query_chunk(
+            q + batch * stride_q_b, grad_out + batch * stride_grad_out_b, row_offsets, chunk,
+            kv_head, batch, key_row_first, stride_q_s, stride_q_h, stride_grad_out_s,
+            stride_grad_out_h, stride_layout, seq_len_q, group, layout_batch_stride,
+            layout_head_divisor, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, KV_BLOCK, ROWS, PACK, TMA,
         )  # fmt: skip
         for step in range(step_start, step_end):
-            first_row = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
-            rows, heads = packed_rows(first_row, first_head, ROWS, PACK)  # [BLOCK_M] x2
-            row_valid = rows < seq_len_q  # [BLOCK_M]
-            query_first, query_positions = global_positions(
-                first_row, rows, Q_BLOCK, q_block_positions, HAS_POSITIONS
-            )  # [BLOCK_M]
-            q_tile = load_tile(q_source, first_row, rows, heads, row_valid, stride_q_s,
-                               stride_q_h, HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip
-            do_tile = load_tile(do_source, first_row, rows, heads, row_valid,
-                                stride_grad_out_s, stride_grad_out_h, HEAD_DIM, HEAD_DIM_PAD,
-                                ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
-            lse_offsets = batch * stride_lse_b + heads.to(tl.int64) * stride_lse_h + rows
-            row_lse = log2_lse(lse, lse_offsets, row_valid)  # [BLOCK_M]; padding rows: +inf
-            row_delta = tl.load(delta + lse_offsets, mask=row_valid, other=0.0)  # [BLOCK_M]
+            dk, dv, _, _, _, _ = dkdv_step(
+                dk, dv, k_tile, v_tile, q_source, do_source, lse, delta, row_indices,
+                documents, q_block_positions, query_masks, step, batch, first_head, key_first,
+                key_positions, stride_q_s, stride_q_h, stride_grad_out_s, stride_grad_out_h,
+                stride_lse_b, stride_lse_h, dropout_p, dropout_seed, seq_len_q, query_end,
+                key_end, qk_scale, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK,
+                BLOCK_N, ROWS, PACK, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, HAS_DROPOUT,
+                HAS_POSITIONS, HAS_QUERY_MASKS, DOT_PRECISION, TMA,
+            )  # fmt: skip  # [BLOCK_N, D_PAD] x2
 
-            # Transposed scores, so that dK and dV accumulate as [BLOCK_N, D] without transposes.
-            scores = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
-            scores *= qk_scale  # [BLOCK_N, BLOCK_M], log2 units
-            query_documents = documents_of(documents, query_positions, query_end, HAS_DOCUMENTS)
-            query_mask = query_mask_word(query_masks, step // STEPS_PER_BLOCK, HAS_QUERY_MASKS)
-            scores = mask_scores(
-                scores, query_positions[None, :], key_positions[:, None], query_first,
-                query_first + ROWS - 1, key_first, BLOCK_N, key_end, window_left,
-                window_right, HAS_LEFT, HAS_RIGHT, documents, query_documents[None, :],
-                HAS_DOCUMENTS, query_mask, Q_BLOCK, ROWS, HAS_QUERY_MASKS,
-            )  # fmt: skip  # [BLOCK_N, BLOCK_M]
-            probs = tl.math.exp2(scores - row_lse[None, :])  # [BLOCK_N, BLOCK_M]
-            grad_probs = tl.dot(v_tile, tl.trans(do_tile), input_precision=DOT_PRECISION)
-            if HAS_DROPOUT:  # dV from the kept, rescaled probabilities; dP likewise
-                scale = dropout_scale(
-                    dropout_seed, batch, heads[None, :], query_positions[None, :],
-                    key_positions[:, None], dropout_p,
-                )  # fmt: skip  # [BLOCK_N, BLOCK_M]
-                dv = tl.dot((probs * scale).to(do_tile.dtype), do_tile, dv,
-                            input_precision=DOT_PRECISION)  # fmt: skip
-                grad_probs *= scale
-            else:
-                dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
-            grad_scores = probs * (grad_probs - row_delta[None, :])  # [BLOCK_N, BLOCK_M]
-            dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
-
-    dk = dk * softmax_scale  # [BLOCK_N, D_PAD]
-    row_valid = key_rows < seq_len_kv  # [BLOCK_N]; with positions padding rows too (zeros)
-    dk_offsets = element_offsets(key_rows, kv_head, stride_grad_k_s, stride_grad_k_h)
-    store_rows(grad_k + batch * stride_grad_k_b, dk_offsets, row_valid, dk, HEAD_DIM, HEAD_DIM_PAD)
-    dv_offsets = element_offsets(key_rows, kv_head, stride_grad_v_s, stride_grad_v_h)
-    store_rows(grad_v + batch * stride_grad_v_b, dv_offsets, row_valid, dv, HEAD_DIM, HEAD_DIM_PAD)
+    store_dkdv(grad_k + batch * stride_grad_k_b, grad_v + batch * stride_grad_v_b, dk, dv,
+               key_rows, kv_head, stride_grad_k_s, stride_grad_k_h, stride_grad_v_s,
+               stride_grad_v_h, seq_len_kv, softmax_scale, HEAD_DIM,
+               HEAD_DIM_PAD)  # fmt: skip
 
 
 @functools.cache
@@ -264,6 +341,64 @@ def _tuned_dq(launch: configs.Launch, kv_block: int):
 def _tuned_dkdv(launch: configs.Launch, block_n: int):
     choices = configs.dkdv_configs(launch, block_n)
     return triton.autotune(configs=choices, key=AUTOTUNE_KEY)(_dkdv_kernel)
+
+
+def shared_arguments(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    softmax_scale: float,
+    document_ids: torch.Tensor | None,
+    dropout_p: float,
+    dropout_seed: int,
+    positions: BlockPositions | None,
+    tma: bool,
+) -> dict:
+    """Launch keywords every backward kernel takes (the dQ and dK/dV kernels here, the fused
+    one of backward_atomic.py): inputs, strides, masks, sizes and constexprs."""
+    heads_q, head_dim = q.shape[2], q.shape[3]
+    return dict(
+        q=q, k=k, v=v, grad_out=grad_out, lse=lse, delta=delta,
+        **strides("q", q), **strides("k", k), **strides("v", v),
+        **strides("grad_out", grad_out), **strides("lse", lse, "bh"),
+        **document_arguments(document_ids, layout.row_offsets),
+        **position_arguments(positions, layout.row_offsets),
+        dropout_p=dropout_p, dropout_seed=dropout_seed, seq_len_q=q.shape[1],
+        seq_len_kv=k.shape[1], group=heads_q // k.shape[2], **layout_arguments(layout, heads_q),
+        qk_scale=softmax_scale * _env.LOG2_E, softmax_scale=softmax_scale,
+        **mask_arguments(causal, window_size), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_env.head_dim_pad(head_dim), Q_BLOCK=layout.q_block,
+        KV_BLOCK=layout.kv_block, HAS_DROPOUT=dropout_p > 0,
+        DOT_PRECISION=_env.dot_precision(q.dtype), TMA=tma,
+    )  # fmt: skip
+
+
+def dkdv_tiles(
+    layout: BlockLayout,
+    q: torch.Tensor,
+    heads_kv: int,
+    tma: bool,
+    query_rows: int | None,
+    kv_rows: int | None,
+) -> tuple[configs.RowTile, int, configs.Launch]:
+    """Query tile, key rows (BLOCK_N) and autotune Launch of a program over the transposed
+    layout (None: the configs module's choice)."""
+    padded = _env.head_dim_pad(q.shape[3])
+    if kv_rows is None:
+        kv_rows = configs.dkdv_kv_rows(padded, layout.kv_block)
+    if query_rows is None:
+        query_rows = configs.max_query_rows(padded, "dkdv")
+    tile = packing(layout, query_rows, q.shape[2], heads_kv)
+    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), tma,
+                            _env.shared_memory(q.device))  # fmt: skip
+    return tile, kv_rows, launch
 
 
 def attention_backward(
@@ -304,8 +439,8 @@ def attention_backward(
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
     """
-    batch, seq_len_q, heads_q, head_dim = q.shape
-    seq_len_kv, heads_kv = k.shape[1], k.shape[2]
+    batch, _, heads_q, head_dim = q.shape
+    heads_kv = k.shape[2]
     padded = _env.head_dim_pad(head_dim)
     delta = torch.empty_like(lse)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -313,18 +448,10 @@ def attention_backward(
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     tma = resolve_tma(tma, q, k, v, out, grad_out,
                       kv_padding=padding_rows(positions, layout.kv_block))  # fmt: skip
-    shared = dict(
-        q=q, k=k, v=v, grad_out=grad_out, lse=lse, delta=delta,
-        **strides("q", q), **strides("k", k), **strides("v", v),
-        **strides("grad_out", grad_out), **strides("lse", lse, "bh"),
-        **document_arguments(document_ids, layout.row_offsets),
-        **position_arguments(positions, layout.row_offsets),
-        dropout_p=dropout_p, dropout_seed=dropout_seed, seq_len_q=seq_len_q,
-        seq_len_kv=seq_len_kv, group=heads_q // heads_kv, **layout_arguments(layout, heads_q),
-        qk_scale=softmax_scale * _env.LOG2_E, softmax_scale=softmax_scale,
-        **mask_arguments(causal, window_size), HEAD_DIM=head_dim, HEAD_DIM_PAD=padded,
-        Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block, HAS_DROPOUT=dropout_p > 0,
-        DOT_PRECISION=_env.dot_precision(q.dtype), TMA=tma,
+    shared = shared_arguments(
+        grad_out, q, k, v, lse, delta, layout, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, document_ids=document_ids, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, positions=positions, tma=tma,
     )  # fmt: skip
 
     max_rows = configs.max_query_rows(padded, "dq") if dq_query_rows is None else dq_query_rows
@@ -344,20 +471,15 @@ def attention_backward(
         )  # fmt: skip
 
     transposed = layout.transpose()
-    if dkdv_kv_rows is None:
-        dkdv_kv_rows = configs.dkdv_kv_rows(padded, layout.kv_block)
-    if dkdv_query_rows is None:
-        dkdv_query_rows = configs.max_query_rows(padded, "dkdv")
-    tile = packing(layout, dkdv_query_rows, heads_q, heads_kv)
-    grid = (triton.cdiv(seq_len_kv, dkdv_kv_rows), heads_kv, batch)
-    launch = launch._replace(block_m=tile.rows * tile.pack)
-    kernel = _dkdv_kernel if dkdv_config is not None else _tuned_dkdv(launch, dkdv_kv_rows)
+    tile, kv_rows, launch = dkdv_tiles(layout, q, heads_kv, tma, dkdv_query_rows, dkdv_kv_rows)
+    grid = (triton.cdiv(k.shape[1], kv_rows), heads_kv, batch)
+    kernel = _dkdv_kernel if dkdv_config is not None else _tuned_dkdv(launch, kv_rows)
     with descriptor_scratch(q.device):
         kernel[grid](
             grad_k=grad_k, grad_v=grad_v, row_offsets=transposed.row_offsets,
             row_indices=transposed.col_indices, **strides("grad_k", grad_k),
             **strides("grad_v", grad_v), stride_layout=transposed.row_offsets.stride(0),
             **query_mask_arguments(query_masks, "csc", layout.row_offsets), ROWS=tile.rows,
-            PACK=tile.pack, BLOCK_N=dkdv_kv_rows, **shared, **config_arguments(dkdv_config),
+            PACK=tile.pack, BLOCK_N=kv_rows, **shared, **config_arguments(dkdv_config),
         )  # fmt: skip
     return grad_q, grad_k, grad_v
