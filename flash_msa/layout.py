@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 
 BLOCK_SIZES = (16, 32, 64, 128)
+# A layout may also hold rows (or, transposed, columns) of one token: per-token selections.
+LAYOUT_BLOCK_SIZES = (1, *BLOCK_SIZES)
 DENSE_LIMIT = 1 << 28  # elements of to_dense() before it refuses (256 MiB of bool)
 
 
@@ -16,11 +18,11 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_block_size(name: str, value) -> int:
-    """A block size must be one of BLOCK_SIZES (an int, not a float or a bool)."""
-    if type(value) is not int or value not in BLOCK_SIZES:
+def check_block_size(name: str, value, sizes: tuple[int, ...] = BLOCK_SIZES) -> int:
+    """A block size must be one of sizes (an int, not a float or a bool)."""
+    if type(value) is not int or value not in sizes:
         raise ValueError(
-            f"{name} must be one of {BLOCK_SIZES}, got {value!r} (an int; 64 or 128 run fastest)"
+            f"{name} must be one of {sizes}, got {value!r} (an int; 64 or 128 run fastest)"
         )
     return value
 
@@ -55,8 +57,8 @@ class BlockLayout:
         kv_block = q_block if kv_block is None else kv_block
         for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
             _check_positive_int(name, value)
-        check_block_size("q_block", q_block)
-        check_block_size("kv_block", kv_block)
+        check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)
+        check_block_size("kv_block", kv_block, LAYOUT_BLOCK_SIZES)
         for name, tensor in (("row_offsets", row_offsets), ("col_indices", col_indices)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")

@@ -8,11 +8,12 @@ from typing import NamedTuple
 import torch
 
 from flash_msa import _env, patterns
-from flash_msa.layout import BlockLayout, check_block_size
+from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.token_selection import MAX_MASK_QUERIES, select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
+from flash_msa.ops.triton import MIN_TILE_ROWS
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 GRANULARITIES = ("token", "block")
@@ -105,16 +106,24 @@ def check_msa_inputs(
         )
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    check_block_size("q_block", q_block)
+    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
+    check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)
     check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
+    packed = heads_q // heads_proxy & -(heads_q // heads_proxy)  # largest power of two dividing
+    if q_block * packed < MIN_TILE_ROWS:
+        raise ValueError(
+            f"q_block {q_block} with H_q / H_p = {heads_q // heads_proxy} query heads per proxy "
+            f"head fills tiles of {q_block * packed} rows, fewer than the kernels' "
+            f"{MIN_TILE_ROWS}: use q_block {MIN_TILE_ROWS} (or more query heads per proxy head)"
+        )
     if q_block > kv_block:
         raise ValueError(
             f"q_block ({q_block}) must be <= kv_block ({kv_block}) so that a query block lies in "
             "its diagonal kv block"
         )
-    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if granularity == "token" and q_block > MAX_MASK_QUERIES:
         raise ValueError(
             f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES} (each tile's "
@@ -140,6 +149,8 @@ def _token_selection(
     layout, query_masks = token_selection_layout(
         selected, seq_len=q_proxy.shape[1], q_block=q_block, kv_block=kv_block, check=False
     )
+    if query_masks is None:  # q_block 1: each row reads all of its blocks
+        query_masks = selected.new_empty(0, dtype=torch.int64)
     transposed = layout.transpose()
     return (
         layout.row_offsets.clone(), layout.col_indices.clone(), transposed.row_offsets.clone(),
@@ -157,7 +168,7 @@ def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block):
     return (
         torch.empty(batch * heads, rows[0] + 1, **int32), torch.empty(nnz, **int32),
         torch.empty(batch * heads, rows[1] + 1, **int32), torch.empty(nnz, **int32),
-        torch.empty(nnz, **int64), torch.empty(nnz, **int64),
+        torch.empty(0 if q_block == 1 else nnz, **int64), torch.empty(nnz, **int64),
     )  # fmt: skip
 
 
@@ -171,7 +182,7 @@ def _token_selection_layout(q_proxy, k_proxy, *, top_k, q_block, kv_block, docum
         row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len, q_block=q_block,
         kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
     ).attach_transpose(t_row_offsets, t_col_indices, entries)  # fmt: skip
-    return MsaSelection(layout, query_masks)
+    return MsaSelection(layout, None if q_block == 1 else query_masks)
 
 
 def select(
@@ -191,7 +202,10 @@ def select(
     seq_len, device = q_proxy.shape[1], q_proxy.device
     with torch.no_grad():
         if warmup or q_proxy.shape[0] == 0:  # batch 0: nothing to score, empty outputs
-            layout = patterns.causal(seq_len, q_block=q_block, kv_block=kv_block, device=device)
+            # Dense blocks: a row per token would only multiply the entries.
+            dense_q_block = DEFAULT_Q_BLOCKS["block"] if q_block == 1 else q_block
+            layout = patterns.causal(seq_len, q_block=dense_q_block, kv_block=kv_block,
+                                     device=device)  # fmt: skip
         elif granularity == "token":  # it never picks a block of another document
             return _token_selection_layout(
                 q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
@@ -209,8 +223,9 @@ def select(
             del scores
         if cu_seqlens is not None:
             layout = layout & patterns.causal(
-                seq_len, q_block=q_block, kv_block=kv_block, device=device, cu_seqlens=cu_seqlens
-            )
+                seq_len, q_block=layout.q_block, kv_block=kv_block, device=device,
+                cu_seqlens=cu_seqlens,
+            )  # fmt: skip
     return MsaSelection(layout, None)
 
 
@@ -249,7 +264,8 @@ def msa_func(
         top_k: key blocks per token (or query block) and proxy head, its own included.
         q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128); for
             granularity "token" q_block is only the main attention's query tile, at most 64
-            (None: 16 for "token", 64 for "block").
+            (None: 16 for "token", 64 for "block"); "token" also takes q_block 1, a row per
+            token over exactly its blocks, where H_q / H_p packs 16 query heads or more.
         softmax_scale, proxy_softmax_scale: default 1 / sqrt(D) and 1 / sqrt(D_p).
         cu_seqlens: int32 [N + 1] of packed documents; nothing crosses a document.
         warmup: attend over every causal block (dense) while the proxy trains on the full

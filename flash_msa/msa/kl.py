@@ -86,28 +86,53 @@ def _load_rows(
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a [M, K] @ b [K, N] in fp32: tl.dot where every size is at least 16, else a
+    broadcast sum (the tiles of a query block of one token)."""
+    if a.shape[0] >= 16 and a.shape[1] >= 16 and b.shape[1] >= 16:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _teacher(
     q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
     group, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
+    GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """t [M, N] fp32: the main attention probabilities averaged over the group's query heads
-    (q_group, lse_group point at the group's first head), 0 where not visible."""
-    teacher = tl.zeros(visible.shape, tl.float32)
-    for head in range(group):
-        q_tile = _load_rows(
-            q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
-        )
-        lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
-        logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
-        teacher += tl.exp2(logits - lse[:, None] * LOG2_E)
+    (q_group, lse_group point at the group's first head), 0 where not visible. A query
+    block of one token (Q_BLOCK 1) takes the group's heads as the rows of one tile."""
+    if Q_BLOCK == 1:
+        row = tl.max(rows, axis=0)  # the token
+        heads = tl.arange(0, GROUP_PAD)  # [G_PAD]
+        valid = (heads < group) & (row < seq_len)  # [G_PAD]
+        q_heads = _load_rows(
+            q_group + row.to(tl.int64) * stride_q_s, heads, stride_q_h, group, HEAD_DIM,
+            HEAD_DIM_PAD,
+        )  # fmt: skip  # [G_PAD, D_PAD]
+        lse = tl.load(lse_group + heads * stride_lse_h + row, mask=valid, other=0.0)
+        logits = tl.dot(q_heads, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+        probs = tl.where(valid[:, None], tl.exp2(logits - lse[:, None] * LOG2_E), 0.0)
+        teacher = tl.sum(probs, axis=0)[None, :]  # [1, N]
+    else:
+        teacher = tl.zeros(visible.shape, tl.float32)
+        for head in range(group):
+            q_tile = _load_rows(
+                q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
+            )
+            lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+            teacher += tl.exp2(logits * qk_scale_log2 - lse[:, None] * LOG2_E)
     return tl.where(visible, teacher / group, 0.0)
 
 
 @triton.jit
 def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
     """z [M, N] fp32, the scaled proxy logits; -inf where not visible."""
-    logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION) * proxy_scale
+    logits = _dot(qp_tile, tl.trans(kp_tile), tl.zeros(visible.shape, tl.float32),
+                  DOT_PRECISION) * proxy_scale  # fmt: skip
     return tl.where(visible, logits, float("-inf"))
 
 
@@ -122,6 +147,7 @@ def _kl_rows_kernel(
     heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -169,13 +195,13 @@ def _kl_rows_kernel(
         logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
         teacher = _teacher(
             q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-            query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+            query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, GROUP_PAD,
+            DOT_PRECISION,
         )  # fmt: skip
         if GRAD:
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
             grad_logits = (student - teacher) * coefficient
-            grad_q = tl.dot(grad_logits.to(kp_tile.dtype), kp_tile, grad_q,
-                            input_precision=DOT_PRECISION)  # fmt: skip
+            grad_q = _dot(grad_logits.to(kp_tile.dtype), kp_tile, grad_q, DOT_PRECISION)
         else:
             new_max = tl.maximum(running_max, tl.max(logits, axis=1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -215,6 +241,7 @@ def _kl_dk_proxy_kernel(
     layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -254,13 +281,14 @@ def _kl_dk_proxy_kernel(
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             teacher = _teacher(
                 q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, GROUP_PAD,
+            DOT_PRECISION,
             )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
             lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
             grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
-            grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
-                            input_precision=DOT_PRECISION)  # fmt: skip
+            grad_k = _dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
+                          DOT_PRECISION)  # fmt: skip
     dims = tl.arange(0, PROXY_DIM_PAD)
     pointers = (grad_k_proxy + batch * stride_kp_b + key_head * stride_kp_h
                 + cols.to(tl.int64)[:, None] * stride_kp_s + dims[None, :])  # fmt: skip
@@ -290,7 +318,9 @@ def _kernel_arguments(
         qk_scale_log2=softmax_scale * _env.LOG2_E, HEAD_DIM=dim,
         HEAD_DIM_PAD=_env.head_dim_pad(dim), PROXY_DIM=proxy_dim,
         PROXY_DIM_PAD=_env.head_dim_pad(proxy_dim), Q_BLOCK=layout.q_block,
-        KV_BLOCK=layout.kv_block, HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
+        KV_BLOCK=layout.kv_block,
+        GROUP_PAD=max(16, triton.next_power_of_2(heads_q // heads_proxy)),  # tl.dot's rows
+        HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION=_env.dot_precision(q.dtype),
         num_warps=4 if layout.q_block * layout.kv_block <= 64 * 64 else 8, num_stages=1,
     )  # fmt: skip

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from flash_msa import _env
-from flash_msa.layout import BlockLayout, check_block_size
+from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows, strides
 from flash_msa.patterns.topk import check_query_blocks
@@ -376,7 +376,7 @@ def _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block) -> None:
             f"selected must be [B, H_p, seq_len, top_k] = [B, H_p, {seq_len}, top_k] with no "
             f"empty size, got {list(selected.shape)}"
         )
-    check_block_size("q_block", q_block)
+    check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)
     check_block_size("kv_block", kv_block)
     if q_block > MAX_MASK_QUERIES:
         raise ValueError(
@@ -404,6 +404,20 @@ def _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block) -> None:
         )
 
 
+def _token_rows_layout(selected: torch.Tensor, seq_len_kv: int, kv_block: int) -> BlockLayout:
+    """The layout of q_block 1: row t of layout (b, p) holds token t's kept blocks (already
+    ascending, the padding -1 at the end of each row)."""
+    batch, heads, seq_len, _ = selected.shape
+    kept = selected >= 0  # [B, H_p, S, top_k]
+    ends = kept.sum(-1, dtype=torch.int32).flatten().cumsum(0, dtype=torch.int32)  # [L * S]
+    offsets = torch.cat([ends.new_zeros(1), ends])  # [L * S + 1]
+    row_offsets = offsets.as_strided((batch * heads, seq_len + 1), (seq_len, 1))
+    return BlockLayout(
+        row_offsets, selected[kept], seq_len_q=seq_len, seq_len_kv=seq_len_kv, q_block=1,
+        kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
+    )  # fmt: skip
+
+
 def token_selection_layout(
     selected: torch.Tensor,
     *,
@@ -412,13 +426,14 @@ def token_selection_layout(
     kv_block: int,
     seq_len_kv: int | None = None,
     check: bool = True,
-) -> tuple[BlockLayout, torch.Tensor]:
+) -> tuple[BlockLayout, torch.Tensor | None]:
     """The blocks a query tile's tokens selected, as the main attention's layout.
 
     Args:
         selected: int32 [B, H_p, S, top_k] from select_tokens: rows ascending without repeats,
             padded with -1 at the end (checked, with one read from the device).
-        seq_len: S; q_block: query tile size, at most 64; kv_block: the selection's block.
+        seq_len: S; q_block: query tile size, at most 64 (1: a row per token, holding
+            exactly its choices); kv_block: the selection's block.
         seq_len_kv: the keys' length (None: seq_len), longer when the queries are some
             blocks of the sequence (select_tokens' q_blocks): the rows are then those blocks.
         check: validate selected (one pass and one read from the device); False for
@@ -428,15 +443,19 @@ def token_selection_layout(
         layout: row r of layout (b, p) (layout_batch B, layout_heads H_p) holds the union of
             the blocks tokens [r * q_block, (r + 1) * q_block) selected, ascending.
         query_masks: int64 [nnz] aligned with layout.col_indices: bit t set when token
-            r * q_block + t of the row selected that block.
+            r * q_block + t of the row selected that block; None for q_block 1 (every row
+            is one token and reads all of its blocks).
 
-    Memory is O(B * H_p * S * top_k): the selected entries are ranked by one sort.
+    Memory is O(B * H_p * S * top_k): the selected entries are ranked by one sort (for
+    q_block 1 they are the layout as they are).
     """
     seq_len_kv = seq_len if seq_len_kv is None else seq_len_kv
     if check:
         _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block)
     num_kv_blocks = math.ceil(seq_len_kv / kv_block)
     batch, heads, _, top_k = selected.shape
+    if q_block == 1:
+        return _token_rows_layout(selected, seq_len_kv, kv_block), None
     num_q_blocks = math.ceil(seq_len / q_block)
     device = selected.device
     layouts = torch.arange(batch * heads, device=device)[:, None]  # [L, 1]

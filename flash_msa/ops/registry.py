@@ -96,6 +96,7 @@ class Backend:
     head_dims: Callable[[int], bool]
     head_dims_text: str
     block_sizes: tuple[int, ...]
+    q_block_sizes: tuple[int, ...] | None = None  # None: block_sizes (1: a row per token)
     min_capability: tuple[int, int] | None = None
     dropout: bool = True
     documents: bool = True
@@ -127,10 +128,11 @@ class Backend:
             return Refusal(f"{name} takes {names}, not {dtype}", TypeError)
         if not self.head_dims(call.head_dim):
             return Refusal(f"{name} takes head dims {self.head_dims_text}, not {call.head_dim}")
-        for block in ("q_block", "kv_block"):
+        q_block_sizes = self.block_sizes if self.q_block_sizes is None else self.q_block_sizes
+        for block, sizes in (("q_block", q_block_sizes), ("kv_block", self.block_sizes)):
             size = getattr(call, block)
-            if size not in self.block_sizes:
-                return Refusal(f"{name} takes {block} in {self.block_sizes}, not {size}")
+            if size not in sizes:
+                return Refusal(f"{name} takes {block} in {sizes}, not {size}")
         if call.dropout and not self.dropout:
             return Refusal(f"{name} has no dropout")
         if call.documents and not self.documents:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BLOCK_SIZES, BlockLayout, BlockPositions
+from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES, BlockLayout, BlockPositions
 from flash_msa.ops.registry import Backend, QueryMasks, lse_dtype
 from flash_msa.reference import visible
 
@@ -256,5 +256,6 @@ BACKEND = Backend(
     head_dims=lambda head_dim: head_dim >= 1,
     head_dims_text=">= 1",
     block_sizes=BLOCK_SIZES,
+    q_block_sizes=LAYOUT_BLOCK_SIZES,
     deterministic=False,  # CPU reductions may reorder between runs
 )

@@ -90,6 +90,8 @@ CASES = {
     "equal-blocks": (1, 100, (2, 1, 2, 2), 16, 32, 32, 32, 2),
     "top1-one-proxy": (1, 96, (4, 1, 1, 1), 32, 16, 16, 32, 1),
     "topk-beyond-blocks": (1, 80, (2, 2, 2, 1), 16, 16, 16, 16, 100),
+    # q_block 1: a layout row per token, its tiles the 16 query heads of its proxy head
+    "token-rows": (1, 70, (16, 1, 1, 1), 16, 16, 1, 32, 2),
 }
 
 
@@ -109,17 +111,20 @@ def test_warmup_is_dense_causal_with_the_full_kl(poisoned_allocations):
     _check_against_reference(tensors, grad_out, 1, 16, 32, warmup=True)
 
 
-@pytest.mark.parametrize("warmup", [False, True])
-def test_packed_documents_never_cross(warmup, poisoned_allocations):
+@pytest.mark.parametrize(
+    "warmup, heads, q_block",
+    [(False, (4, 2, 2, 1), 16), (True, (4, 2, 2, 1), 16), (False, (16, 1, 1, 1), 1)],
+)
+def test_packed_documents_never_cross(warmup, heads, q_block, poisoned_allocations):
     """Empty and one-token documents; selection, attention and KL stay within documents."""
     lengths = [0, 1, 45, 1, 70, 20]
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).int()
     total = sum(lengths)
-    tensors = [t.detach()[0].requires_grad_() for t in _inputs(1, total, (4, 2, 2, 1), 16, 16)]
-    grad_out = torch.randn(total, 4, 16, generator=torch.Generator().manual_seed(3))
+    tensors = [t.detach()[0].requires_grad_() for t in _inputs(1, total, heads, 16, 16)]
+    grad_out = torch.randn(total, heads[0], 16, generator=torch.Generator().manual_seed(3))
     documents = (ids.to(DEVICE), bounds.to(DEVICE))
-    _check_against_reference(tensors, grad_out, 2, 16, 32, warmup, documents)
+    _check_against_reference(tensors, grad_out, 2, q_block, 32, warmup, documents)
 
 
 def test_kl_loss_leaves_the_main_gradients_alone():
@@ -162,6 +167,11 @@ def test_msa_func_rejects_bfloat16_on_the_interpreter():
     [
         (dict(top_k=0), "top_k must be a positive int"),
         (dict(q_block=48), "q_block must be one of"),
+        (
+            dict(q_block=1),
+            "q_block 1 with H_q / H_p = 2 query heads per proxy head fills tiles of 2 rows",
+        ),
+        (dict(q_block=1, granularity="block"), "q_block must be one of"),
         (dict(q_block=32, kv_block=16), r"q_block \(32\) must be <= kv_block \(16\)"),
         (dict(cu_seqlens=torch.tensor([0, 32], dtype=torch.int32)), "must be 3-D"),
         (dict(proxy_softmax_scale=1e38), "proxy_softmax_scale must be at most 10000"),

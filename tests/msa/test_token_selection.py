@@ -208,10 +208,12 @@ def _layout_by_loops(selected, seq_len, q_block):
 
 @pytest.mark.parametrize(
     "seq_len, q_block, kv_block, top_k, bounds",
-    [(130, 16, 32, 3, None), (200, 64, 16, 4, (90,)), (100, 32, 128, 2, None)],
-)
+    [(130, 16, 32, 3, None), (200, 64, 16, 4, (90,)), (100, 32, 128, 2, None),
+     (150, 1, 16, 3, (70,))],
+)  # fmt: skip
 def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds):
-    """Selections of the reference (float64, CPU); q_block 64 sets bit 63 of the masks."""
+    """Selections of the reference (float64, CPU); q_block 64 sets bit 63 of the masks, q_block
+    1 has none (each row is one token's choices)."""
     q_proxy, k_proxy = _inputs(2, seq_len, 2, 1, 8, seed=seq_len, dtype=torch.float64,
                                device="cpu")  # fmt: skip
     document_ids = None if bounds is None else _documents(2, seq_len, bounds).cpu()
@@ -221,16 +223,19 @@ def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k,
                                                  kv_block=kv_block)  # fmt: skip
     assert (layout.layout_batch, layout.layout_heads) == (2, 2)
     assert (layout.q_block, layout.kv_block, layout.seq_len_q) == (q_block, kv_block, seq_len)
-    assert query_masks.dtype == torch.int64 and query_masks.shape == (layout.nnz,)
+    if q_block == 1:
+        assert query_masks is None
+    else:
+        assert query_masks.dtype == torch.int64 and query_masks.shape == (layout.nnz,)
     layout._validate()  # sorted, unique, in range
     expected = _layout_by_loops(selected, seq_len, q_block)
     offsets = layout.row_offsets.tolist()
     for (entry_layout, row), masks in expected.items():
         start, end = offsets[entry_layout][row], offsets[entry_layout][row + 1]
         assert layout.col_indices[start:end].tolist() == sorted(masks)
-        # int64 holds bit 63 as the sign: compare as unsigned 64-bit patterns.
-        got = [mask % (1 << 64) for mask in query_masks[start:end].tolist()]
-        assert got == [masks[block] for block in sorted(masks)]
+        if query_masks is not None:  # bit 63 is int64's sign: compare unsigned 64-bit patterns
+            got = [mask % (1 << 64) for mask in query_masks[start:end].tolist()]
+            assert got == [masks[block] for block in sorted(masks)]
     assert layout.nnz == sum(len(masks) for masks in expected.values())
 
 

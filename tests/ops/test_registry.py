@@ -28,9 +28,16 @@ def fake_backend():
 
     backend = registry.register(
         registry.Backend(
-            name="fake", forward=forward, backward=backward, speed={"cpu": 100},
-            devices=("cpu",), dtypes=(torch.float32,), head_dims=lambda dim: dim == 16,
-            head_dims_text="16", block_sizes=(16,), dropout=False,
+            name="fake",
+            forward=forward,
+            backward=backward,
+            speed={"cpu": 100},
+            devices=("cpu",),
+            dtypes=(torch.float32,),
+            head_dims=lambda dim: dim == 16,
+            head_dims_text="16",
+            block_sizes=(16,),
+            dropout=False,
         )  # fmt: skip
     )
     yield backend, calls
@@ -104,6 +111,24 @@ def test_the_declared_support_of_the_real_backends():
     assert refusal.error is (TypeError if _env.interpreting() else ValueError)
     # on the CPU "auto" never picks the interpreter, which is for tests
     assert registry.select(dataclasses.replace(call, deterministic=False)).name == "torch"
+
+
+def test_rows_of_one_token_need_sixteen_packed_heads(monkeypatch):
+    """q_block 1 (a layout row per token): the triton backend's tiles are the query heads
+    sharing the row and a kv head, at least tl.dot's 16; kv blocks stay >= 16."""
+    monkeypatch.setattr(_env, "triton_refusal", lambda device, dtype: None)  # any machine
+    call = registry.AttentionCall(
+        device=torch.device("cpu"), dtype=torch.float32, head_dim=128, q_block=1, kv_block=128,
+        dropout=False, documents=False, deterministic=False, element_masks=True,
+        seq_len_q=4096, seq_len_kv=4096, batch=1, heads_q=64, heads_kv=4, layout_heads=4,
+    )  # fmt: skip
+    triton_backend = registry.get("triton")
+    assert triton_backend.refusal(call) is None
+    few = triton_backend.refusal(dataclasses.replace(call, heads_q=16))  # 4 heads per row
+    assert "q_block 1 packs 4 heads" in few.reason
+    for name in ("triton", "torch"):
+        refusal = registry.get(name).refusal(dataclasses.replace(call, kv_block=1))
+        assert "takes kv_block in (16, 32, 64, 128), not 1" in refusal.reason
 
 
 def test_gluon_refuses_what_it_does_not_run(monkeypatch):
