@@ -55,14 +55,41 @@ PROXY_HEAD_DIM = HEAD_DIM
 TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128  # q_block: granularity block's selection unit
 DENSE_MEASURED_UP_TO = 128 * K
 FLEX_TOKEN_MASK_UP_TO = 128 * K  # its per-token mask [H_p, S, nk] bool: 0.5 GiB at 128K
+LOCAL_WINDOW = 4096  # proxies "local": keys correlated over this many tokens
+PROXIES = ("random", "local")
 
 
-def random_inputs(seq_len: int, device) -> dict[str, torch.Tensor]:
-    """bf16 q_proxy, k_proxy, q, k, v (requiring grad) and dout, [1, S, H, D] each, seeded."""
+def random_inputs(seq_len: int, device, proxies: str = "random") -> dict[str, torch.Tensor]:
+    """bf16 q_proxy, k_proxy, q, k, v (requiring grad) and dout, [1, S, H, D] each, seeded;
+    proxies "local" replaces the proxies' values by local_proxies'."""
     heads = dict(q_proxy=HEADS_PROXY, k_proxy=HEADS_PROXY_KEYS, q=HEADS_Q, k=HEADS_KV)
     heads.update(v=HEADS_KV, dout=HEADS_Q)
     grads = ("q_proxy", "k_proxy", "q", "k", "v")
-    return random_tensors(seq_len, heads, device=device, requires_grad=grads)
+    tensors = random_tensors(seq_len, heads, device=device, requires_grad=grads)
+    if proxies == "local":
+        with torch.no_grad():
+            q_proxy, k_proxy = local_proxies(seq_len, device)
+            tensors["q_proxy"].copy_(q_proxy)
+            tensors["k_proxy"].copy_(k_proxy)
+    return tensors
+
+
+def local_proxies(seq_len: int, device, window: int = LOCAL_WINDOW, seed: int = 2):
+    """q_proxy [1, S, H_p, D_p], k_proxy [1, S, H_pk, D_p] whose logits favour recent keys:
+    k_proxy a moving average of white noise over `window` tokens (unit variance, so keys
+    |i - j| apart correlate by 1 - |i - j| / window), each proxy head's query its token's key
+    plus as much independent noise. Each token's best blocks are then its recent ones, shared
+    with its neighbours', as a trained proxy's selections overlap."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    shape = (1, seq_len, HEADS_PROXY_KEYS, PROXY_HEAD_DIM)
+    noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float64)
+    sums = torch.nn.functional.pad(noise.cumsum(1), (0, 0, 0, 0, 1, 0))  # [1, S + 1, H_pk, D_p]
+    starts = (torch.arange(1, seq_len + 1, device=device) - window).clamp(min=0)
+    k_proxy = (sums[:, 1:] - sums[:, starts]) / window**0.5
+    own_key = k_proxy.repeat_interleave(HEADS_PROXY // HEADS_PROXY_KEYS, 2)  # [1, S, H_p, D_p]
+    q_proxy = own_key + torch.randn(own_key.shape, generator=generator, device=device,
+                                    dtype=torch.float64)  # fmt: skip
+    return q_proxy, k_proxy
 
 
 def token_blocks(selection: MsaSelection, seq_len: int) -> torch.Tensor:
@@ -103,7 +130,7 @@ def attended_pairs(selection: MsaSelection, seq_len: int, chunk: int = 1 << 22) 
 
 
 def run_msa(
-    seq_len: int, inputs: dict, granularity: str, q_block: int
+    seq_len: int, inputs: dict, granularity: str, q_block: int, proxies: str
 ) -> tuple[dict, MsaSelection]:
     """msa_func forward + backward, whole and split; returns the record and the selection.
     Under granularity "token" q_block is only the main attention's query tile."""
@@ -154,6 +181,7 @@ def run_msa(
         impl="flash_msa",
         granularity=granularity,
         q_block=q_block,
+        proxies=proxies,
         fwd_bwd_ms=round(total["ms"], 4),
         selection_ms=round(selection_ms, 4),
         main_attention_ms=round(main_ms, 4),
@@ -165,7 +193,7 @@ def run_msa(
         peak_gib=round(total["peak_gib"], 3),
     )
     print(
-        f"S={seq_len:>8,} flash_msa {granularity:5s} q{q_block:<3d} total "
+        f"S={seq_len:>8,} flash_msa {granularity:5s} q{q_block:<3d} {proxies} proxies total "
         f"{record['fwd_bwd_ms']:9.3f} ms = "
         f"selection {selection_ms:.3f} + main {main_ms:.3f} "
         f"({record['main_attention_tflops']} TF/s) + KL {record['kl_ms']:.3f} (kernels "
@@ -311,22 +339,28 @@ def run_flex(seq_len: int, inputs: dict, selection: MsaSelection, granularity: s
     return record
 
 
-def run_length(seq_len: int, device, dense_measured: dict, variants, flex: bool) -> list[dict]:
-    """Dense cuDNN, then each (granularity, q_block) variant and, with flex, FlexAttention on
-    the first variant's selection of each granularity."""
+def run_length(
+    seq_len: int, device, dense_measured: dict, variants, flex: bool, proxies: list[str]
+) -> list[dict]:
+    """Dense cuDNN, then per kind of proxies each (granularity, q_block) variant and, with
+    flex, FlexAttention on the first variant's selection of each granularity (random
+    proxies only)."""
     records = [run_dense(seq_len, device, dense_measured)]
-    inputs = random_inputs(seq_len, device)
     peers_run = set()
-    for granularity, q_block in variants:
-        msa, selection = run_msa(seq_len, inputs, granularity, q_block)
-        free_memory()
-        records.append(msa)
-        if flex and granularity not in peers_run:
-            peers_run.add(granularity)
-            records.append(
-                run_flex(seq_len, inputs, selection, granularity, msa["main_attention_ms"])
-            )
-        del selection
+    for kind in proxies:
+        inputs = random_inputs(seq_len, device, kind)
+        for granularity, q_block in variants:
+            msa, selection = run_msa(seq_len, inputs, granularity, q_block, kind)
+            free_memory()
+            records.append(msa)
+            if flex and kind == "random" and granularity not in peers_run:
+                peers_run.add(granularity)
+                records.append(
+                    run_flex(seq_len, inputs, selection, granularity, msa["main_attention_ms"])
+                )
+            del selection
+            free_memory()
+        del inputs
         free_memory()
     return records
 
@@ -350,6 +384,7 @@ def msa_cells(msa: dict, peers: dict) -> list:
         f"{msa['seq_len']:,}",
         msa["granularity"],
         msa.get("q_block", Q_BLOCK),
+        msa.get("proxies", "random"),
         f"{msa['fwd_bwd_ms']:.3f}",
         f"{msa['selection_ms']:.3f}",
         f"{msa['main_attention_ms']:.3f}",
@@ -368,8 +403,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     for record in records:
         key = (record["impl"], record.get("granularity"))
         peers.setdefault(record["seq_len"], {})[key] = record
-    columns = ["S", "granularity", "q_block", "flash_msa ms", "selection ms", "main attention ms",
-               "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
+    columns = ["S", "granularity", "q_block", "proxies", "flash_msa ms", "selection ms",
+               "main attention ms", "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
                "main speed-up vs flex (flex ms / main ms)", "cuDNN dense ms",
                "speed-up vs dense cuDNN (cuDNN ms / flash_msa ms)"]  # fmt: skip
     rows = [
@@ -387,7 +422,11 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         f"H_pk={HEADS_PROXY_KEYS}, D_p={PROXY_HEAD_DIM}; top_k {TOP_K}, kv_block {KV_BLOCK}; "
         "causal. Granularity token: each query token's own blocks (MiniMax's; q_block is "
         "then the main attention's query tile: the union of its tokens' blocks with a bit "
-        f"per token); block: one choice per {Q_BLOCK}-query block. Forward + backward ms, "
+        "per token, or for q_block 1 a row per token over exactly its blocks); block: one "
+        f"choice per {Q_BLOCK}-query block. Proxies random: i.i.d. normal (an untrained "
+        "proxy, each token's choices independent of its neighbours'); local: keys a moving "
+        f"average of noise over {LOCAL_WINDOW} tokens, queries their own key plus noise "
+        "(recent blocks chosen, neighbours' choices overlapping). Forward + backward ms, "
         "medians of do_bench. KL = total minus selection and main attention. Main TFLOP/s over the "
         "(query, key <= query) pairs the selection holds. Flex runs the main attention only, "
         "on the same selection (per token: a mask_mod reading each token's blocks, every "
@@ -407,6 +446,7 @@ def main() -> None:
         "--token-q-blocks", default="16", help="query tiles of granularity token, e.g. 16,64"
     )
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    parser.add_argument("--proxies", default="random", help=f"some of {','.join(PROXIES)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = [
@@ -418,6 +458,9 @@ def main() -> None:
             else [Q_BLOCK]
         )
     ]
+    proxies = args.proxies.split(",")
+    if set(proxies) - set(PROXIES):
+        parser.error(f"--proxies takes some of {','.join(PROXIES)}, got {args.proxies!r}")
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
@@ -427,7 +470,9 @@ def main() -> None:
     for seq_len in seq_lens:
         records += [
             {**record, **meta}
-            for record in run_length(seq_len, device, dense_measured, variants, not args.no_flex)
+            for record in run_length(
+                seq_len, device, dense_measured, variants, not args.no_flex, proxies
+            )
         ]
         records.sort(key=lambda record: record["seq_len"])
         write_reports(records, meta, out_dir)  # partial results survive a timeout
