@@ -57,8 +57,18 @@ def random_grad_out(q, seed=7):
     return torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q)
 
 
+def token_rows_layout() -> BlockLayout:
+    """Rows of one token (q_block 1, per-token MSA): each token's own kv block of 32 plus
+    random earlier ones."""
+    tokens = torch.arange(40)
+    blocks = torch.rand(1, 40, 2, generator=torch.Generator().manual_seed(5)) < 0.6
+    blocks[:, tokens, tokens // 32] = True
+    return block_mask_layout(blocks & (torch.arange(2) <= (tokens // 32)[:, None]), 40, 40, 1, 32)
+
+
 # (layout, heads_q, heads_kv, causal): a causal dense layout, random blocks under GQA
-# with GQA-packed query tiles (q_block 16: two heads a tile) and sub-block steps.
+# with GQA-packed query tiles (q_block 16: two heads a tile) and sub-block steps, a layout
+# per kv head, rows of one token (tiles of 16 heads of one position).
 CASES = {
     "causal-dense": (lambda: patterns.causal(100, block_size=32, device=DEVICE), 2, 2,
                      True),
@@ -68,6 +78,7 @@ CASES = {
     "random-blocks-gqa-per-kv-head-bidirectional": (
         lambda: block_mask_layout(torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(4))
                                   < 0.6, 96, 96, 32, 32), 4, 2, False),
+    "token-rows-gqa16": (token_rows_layout, 16, 1, True),
 }  # fmt: skip
 
 
