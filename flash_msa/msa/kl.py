@@ -86,15 +86,6 @@ def _load_rows(
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-    """acc + a [M, K] @ b [K, N] in fp32: tl.dot where every size is at least 16, else a
-    broadcast sum (the tiles of a query block of one token)."""
-    if a.shape[0] >= 16 and a.shape[1] >= 16 and b.shape[1] >= 16:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-
-
-@triton.jit
 def _teacher(
     q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
     group, qk_scale_log2,
@@ -123,16 +114,19 @@ def _teacher(
                 q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
             )
             lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
-            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
-            teacher += tl.exp2(logits * qk_scale_log2 - lse[:, None] * LOG2_E)
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+            teacher += tl.exp2(logits - lse[:, None] * LOG2_E)
     return tl.where(visible, teacher / group, 0.0)
 
 
 @triton.jit
 def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
     """z [M, N] fp32, the scaled proxy logits; -inf where not visible."""
-    logits = _dot(qp_tile, tl.trans(kp_tile), tl.zeros(visible.shape, tl.float32),
-                  DOT_PRECISION) * proxy_scale  # fmt: skip
+    if qp_tile.shape[0] >= 16:
+        logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION)
+    else:  # a query block of one token
+        logits = tl.sum(qp_tile.to(tl.float32)[:, None, :] * kp_tile.to(tl.float32)[None, :, :], 2)
+    logits *= proxy_scale
     return tl.where(visible, logits, float("-inf"))
 
 
@@ -201,7 +195,12 @@ def _kl_rows_kernel(
         if GRAD:
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
             grad_logits = (student - teacher) * coefficient
-            grad_q = _dot(grad_logits.to(kp_tile.dtype), kp_tile, grad_q, DOT_PRECISION)
+            grad_logits = grad_logits.to(kp_tile.dtype)
+            if Q_BLOCK >= 16:
+                grad_q = tl.dot(grad_logits, kp_tile, grad_q, input_precision=DOT_PRECISION)
+            else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
+                grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
+                                 * kp_tile.to(tl.float32)[None, :, :], 1)  # fmt: skip
         else:
             new_max = tl.maximum(running_max, tl.max(logits, axis=1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -287,8 +286,13 @@ def _kl_dk_proxy_kernel(
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
             lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
             grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
-            grad_k = _dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
-                          DOT_PRECISION)  # fmt: skip
+            grad_logits = grad_logits.to(qp_tile.dtype)
+            if Q_BLOCK >= 16:
+                grad_k = tl.dot(tl.trans(grad_logits), qp_tile, grad_k,
+                                input_precision=DOT_PRECISION)  # fmt: skip
+            else:  # a query block of one token: the outer product of its row and q_proxy
+                grad_k += tl.sum(grad_logits.to(tl.float32)[:, :, None]
+                                 * qp_tile.to(tl.float32)[:, None, :], 0)  # fmt: skip
     dims = tl.arange(0, PROXY_DIM_PAD)
     pointers = (grad_k_proxy + batch * stride_kp_b + key_head * stride_kp_h
                 + cols.to(tl.int64)[:, None] * stride_kp_s + dims[None, :])  # fmt: skip
