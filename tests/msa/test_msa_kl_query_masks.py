@@ -117,13 +117,14 @@ def test_kl_is_over_the_keys_each_token_selected(documents, poisoned_allocations
 
 
 def test_all_ones_words_equal_no_masks(poisoned_allocations):
+    """Equal up to fp32 rounding: the two compiled variants may contract differently."""
     tensors, layout, _ = inputs(seed=4, documents=False)
     ones = torch.full((layout.nnz,), -1, dtype=torch.int64, device=DEVICE)
     with_masks = kl_with_masks(tensors, layout, ones, None)
     without = kl_with_masks(tensors, layout, None, None)
-    assert torch.equal(with_masks[0], without[0])
+    assert relative_error(with_masks[0], without[0]) < 1e-6
     for grad, exact in zip(with_masks[1], without[1], strict=True):
-        assert torch.equal(grad, exact)
+        assert relative_error(grad, exact) < 1e-6
 
 
 def test_bad_query_masks():
