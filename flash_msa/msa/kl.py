@@ -31,6 +31,7 @@ from flash_msa.ops.triton.common import query_mask_arguments, strides
 from flash_msa.patterns.topk import check_query_blocks
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
+DK_PROXY_TOKENS = 32  # tokens a dk_proxy step gathers, where each query block is one token
 
 
 @triton.jit
@@ -89,13 +90,14 @@ def _load_rows(
 def _teacher(
     q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
     group, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_ROWS: tl.constexpr,
     GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """t [M, N] fp32: the main attention probabilities averaged over the group's query heads
-    (q_group, lse_group point at the group's first head), 0 where not visible. A query
-    block of one token (Q_BLOCK 1) takes the group's heads as the rows of one tile."""
-    if Q_BLOCK == 1:
+    (q_group, lse_group point at the group's first head), 0 where not visible; rows are any
+    query rows (M >= 16). HEADS_AS_ROWS: rows is one token (M = 1), whose group's heads
+    make the rows of the tile."""
+    if HEADS_AS_ROWS:
         row = tl.max(rows, axis=0)  # the token
         heads = tl.arange(0, GROUP_PAD)  # [G_PAD]
         valid = (heads < group) & (row < seq_len)  # [G_PAD]
@@ -189,7 +191,7 @@ def _kl_rows_kernel(
         logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
         teacher = _teacher(
             q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-            query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, GROUP_PAD,
+            query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK == 1, GROUP_PAD,
             DOT_PRECISION,
         )  # fmt: skip
         if GRAD:
@@ -240,12 +242,13 @@ def _kl_dk_proxy_kernel(
     layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
-    key head, walks the query blocks that selected the kv block; writes d kl_loss / d k_proxy
+    key head, walks the query blocks that selected the kv block (query blocks of one token
+    TOKENS at a time, their rows gathered into one tile); writes d kl_loss / d k_proxy
     [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as in
     _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned with
     t_col_indices)."""
@@ -269,30 +272,37 @@ def _kl_dk_proxy_kernel(
         lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
         layout_row = batch * layout_batch_stride + head // heads_per_layout
         column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
-        for entry in range(tl.load(column), tl.load(column + 1)):
-            q_block = tl.load(t_col_indices + entry)
-            rows = q_block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
-            positions = _positions(q_blocks, q_block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
-            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
-            if HAS_QUERY_MASKS:
-                visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
+        first, last = tl.load(column), tl.load(column + 1)
+        STEP: tl.constexpr = TOKENS if Q_BLOCK == 1 else 1
+        for entry in range(first, last, STEP):
+            if Q_BLOCK == 1:  # TOKENS entries, a token each
+                entries = entry + tl.arange(0, TOKENS)
+                live = entries < last
+                rows = tl.load(t_col_indices + entries, mask=live, other=0)  # [M]
+                positions = rows
+                if HAS_Q_BLOCKS:
+                    positions = tl.load(q_blocks + rows, mask=live, other=0)
+                visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+                visible &= live[:, None]
+            else:
+                q_block = tl.load(t_col_indices + entry)
+                rows = q_block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
+                positions = _positions(q_blocks, q_block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
+                visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+                if HAS_QUERY_MASKS:
+                    visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
             qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             teacher = _teacher(
                 q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, GROUP_PAD,
-            DOT_PRECISION,
+                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, False, GROUP_PAD,
+                DOT_PRECISION,
             )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
             lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
             grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
-            grad_logits = grad_logits.to(qp_tile.dtype)
-            if Q_BLOCK >= 16:
-                grad_k = tl.dot(tl.trans(grad_logits), qp_tile, grad_k,
-                                input_precision=DOT_PRECISION)  # fmt: skip
-            else:  # a query block of one token: the outer product of its row and q_proxy
-                grad_k += tl.sum(grad_logits.to(tl.float32)[:, :, None]
-                                 * qp_tile.to(tl.float32)[:, None, :], 0)  # fmt: skip
+            grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
+                            input_precision=DOT_PRECISION)  # fmt: skip
     dims = tl.arange(0, PROXY_DIM_PAD)
     pointers = (grad_k_proxy + batch * stride_kp_b + key_head * stride_kp_h
                 + cols.to(tl.int64)[:, None] * stride_kp_s + dims[None, :])  # fmt: skip
@@ -422,7 +432,8 @@ def _kl_backward(
     )  # fmt: skip
     grad_k_proxy = torch.empty_like(k_proxy)
     _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
-        t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, lse_proxy=lse_proxy,
+        TOKENS=DK_PROXY_TOKENS, t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
+        lse_proxy=lse_proxy,
         grad_scale=grad_scale, grad_k_proxy=grad_k_proxy, heads_proxy_keys=heads_proxy_keys,
         num_kv_blocks=layout.num_kv_blocks, **query_mask_arguments(masks, "csc", lse),
         **arguments,
