@@ -66,8 +66,9 @@ def markdown(result: dict) -> str:
         ("device", result["device"]),
         ("model", f"{model['layers']} layers, d {model['dim']}, {model['heads']} query / "
                   f"{model['kv_heads']} kv heads, {result['parameters'] / 1e6:.1f}M parameters"),
-        ("attention", f"MSAAttention: top_k {model['top_k']}, q_block {model['q_block']}, "
-                      f"kv_block {model['kv_block']}, proxy heads {result['proxy_heads']}"),
+        ("attention", f"MSAAttention: granularity {model['granularity']}, top_k "
+                      f"{model['top_k']}, q_block {model['q_block']}, kv_block "
+                      f"{model['kv_block']}, proxy heads {result['proxy_heads']}"),
         ("tokens per step", f"{result['seq_len']:,}"),
         ("steps", result["steps"]),
         ("tokens / s (all steps)", f"{result['tokens_per_second']:,.0f}"),
@@ -99,6 +100,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=None, help="default: dim / 64")
     parser.add_argument("--kv-heads", type=int, default=None, help="default: heads / 4")
+    parser.add_argument(
+        "--granularity", default="block",
+        help="MSA selection: block (default; one choice per query block of 64) or token "
+        "(per query token; from random init its choices are uncorrelated, and tiles of 64 "
+        "tokens then hold the union of their choices: nearly dense at 1M)",
+    )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -111,7 +118,7 @@ def main() -> None:
     needles = NeedleConfig()
     model_config = ModelConfig(
         vocab_size=needles.vocab_size, layers=args.layers, dim=args.dim, heads=heads,
-        kv_heads=kv_heads, checkpointing=True,
+        kv_heads=kv_heads, granularity=args.granularity, checkpointing=True,
     )  # fmt: skip
     config = TrainConfig(
         steps=args.steps, train_len=args.seq_len, min_len=args.seq_len, batch=1, lr=args.lr,

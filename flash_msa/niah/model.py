@@ -29,6 +29,7 @@ from flash_msa import patterns
 from flash_msa.layout import BlockLayout
 from flash_msa.modules import MSAAttention, _ProjectedAttention
 from flash_msa.msa import block_scores
+from flash_msa.msa.interface import GRANULARITIES
 from flash_msa.niah.tasks import seed_of
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -50,6 +51,8 @@ class ModelConfig:
             its layout's block size, in tokens.
         top_k, q_block, kv_block: the oracle_topk and msa selections: key blocks per query
             block (the diagonal one included) and the block sizes.
+        granularity: msa's selection, "token" (each query token's blocks) or "block" (one
+            choice per q_block queries); see flash_msa.msa.msa_func.
         proxy_heads, proxy_head_dim: msa's proxy heads (default kv_heads: one per GQA
             group) and their head dim (default head_dim).
         checkpointing: recompute each layer's activations in the backward (less memory).
@@ -67,6 +70,7 @@ class ModelConfig:
     top_k: int = 16
     q_block: int = 64
     kv_block: int = 128
+    granularity: str = "token"
     proxy_heads: int | None = None
     proxy_head_dim: int | None = None
     checkpointing: bool = False
@@ -74,12 +78,16 @@ class ModelConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("rope_base", "checkpointing") or value is None:
+            if field.name in ("rope_base", "checkpointing", "granularity") or value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field.name} must be a positive int, got {value!r}")
         if not self.rope_base > 1:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
+            )
         if self.dim % self.heads or self.heads % self.kv_heads:
             raise ValueError(
                 f"dim {self.dim} must be a multiple of heads {self.heads}, and heads a multiple "
@@ -183,6 +191,7 @@ def attention_for(variant: str, config: ModelConfig) -> nn.Module:
             num_proxy_heads=config.proxy_heads or config.kv_heads,
             proxy_head_dim=config.proxy_head_dim or config.head_dim, top_k=config.top_k,
             q_block=config.q_block, kv_block=config.kv_block, rope_base=config.rope_base,
+            granularity=config.granularity,
         )  # fmt: skip
     layers = dict(dense=DenseAttention, window=WindowAttention, oracle_topk=OracleTopkAttention)
     if variant not in layers:
