@@ -276,7 +276,6 @@ def _attention(
         q, k, v, layout, backend=chosen.name, causal=causal, window_size=window_size,
         softmax_scale=scale, document_ids=document_ids, dropout_p=float(dropout_p),
         dropout_seed=seed, positions=positions, query_masks=query_masks,
-        deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -314,8 +313,7 @@ def block_sparse_attn_func(
         return_lse: also return the log-sum-exp of the scores.
         backend: "auto" (the fastest backend that supports the call) or a registered name
             ("triton", "torch", ...); see flash_msa.ops.registry.
-        deterministic: a bitwise reproducible backward: refuse backends that have none, and
-            keep a backend's faster non-deterministic one (e.g. atomic dQ) out of the call.
+        deterministic: refuse backends whose backward is not bitwise reproducible.
         document_ids: int [B, S] (non-decreasing along S, S_q == S_kv): keep pairs of one
             document.
         positions: a BlockPositions placing the layout's blocks in a longer sequence (context

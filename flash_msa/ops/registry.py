@@ -76,8 +76,6 @@ class Backend:
     dropout_seed, positions, query_masks) -> (out, lse: lse_dtype(q.dtype) [B, H_q, S_q]) and
     backward(grad_out, q, k, v, out, lse, layout, *,
     the same options) -> (dq, dk, dv) take validated, kernel-ready tensors (custom_op.py);
-    nondeterministic_backward, same signature, serves calls that do not ask for
-    deterministic=True (e.g. a faster one summing with atomics; None: backward serves all);
     positions is a BlockPositions of int32 tensors or None, query_masks a QueryMasks of
     contiguous int64 tensors or None (query_masks=False: the backend has none and refuses
     calls with them). A backend that has no block positions refuses calls with them in
@@ -102,14 +100,7 @@ class Backend:
     documents: bool = True
     query_masks: bool = True
     deterministic: bool = True
-    nondeterministic_backward: Callable | None = None
     check: Callable[[AttentionCall], Refusal | None] = field(default=lambda call: None)
-
-    def backward_for(self, deterministic: bool) -> Callable:
-        """The backward entry point of a call that asks for a deterministic one, or not."""
-        if deterministic or self.nondeterministic_backward is None:
-            return self.backward
-        return self.nondeterministic_backward
 
     def refusal(self, call: AttentionCall) -> Refusal | None:
         """Why this backend cannot run the call, or None if it can."""

@@ -9,13 +9,9 @@ from flash_msa import _env
 from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
 from flash_msa.ops.triton.backward import attention_backward
-from flash_msa.ops.triton.backward_atomic import attention_backward_atomic
 from flash_msa.ops.triton.forward import attention_forward
 
 MAX_HEAD_DIM = 256
-# Calls that allow a non-deterministic backward take the one-kernel backward with atomic dQ
-# (backward_atomic.py) when this is set, the two-kernel one otherwise.
-ATOMIC_BACKWARD = False
 MIN_TILE_ROWS = 16  # tl.dot's smallest M
 
 
@@ -35,17 +31,10 @@ def _check(call: AttentionCall) -> Refusal | None:
     return None
 
 
-def _nondeterministic_backward(*tensors, **options):
-    """The backward of calls without deterministic=True (see ATOMIC_BACKWARD)."""
-    backward = attention_backward_atomic if ATOMIC_BACKWARD else attention_backward
-    return backward(*tensors, **options)
-
-
 BACKEND = Backend(
     name="triton",
     forward=attention_forward,
     backward=attention_backward,
-    nondeterministic_backward=_nondeterministic_backward,
     speed={"cuda": 10},  # on the CPU the interpreter is for tests: by name only
     devices=("cuda", "cpu"),
     min_capability=None,
@@ -57,4 +46,4 @@ BACKEND = Backend(
     check=_check,
 )
 
-__all__ = ["BACKEND", "attention_backward", "attention_backward_atomic", "attention_forward"]
+__all__ = ["BACKEND", "attention_backward", "attention_forward"]

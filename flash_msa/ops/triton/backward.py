@@ -361,8 +361,8 @@ def shared_arguments(
     positions: BlockPositions | None,
     tma: bool,
 ) -> dict:
-    """Launch keywords every backward kernel takes (the dQ and dK/dV kernels here, the fused
-    one of backward_atomic.py): inputs, strides, masks, sizes and constexprs."""
+    """Launch keywords both backward kernels take (dQ and dK/dV): inputs, strides, masks,
+    sizes and constexprs."""
     heads_q, head_dim = q.shape[2], q.shape[3]
     return dict(
         q=q, k=k, v=v, grad_out=grad_out, lse=lse, delta=delta,
