@@ -376,6 +376,8 @@ for name, kernel in (("forward", forward._forward_kernel), ("dkdv", backward._dk
                       HAS_RIGHT=True, HAS_DOCUMENTS=True, HAS_DROPOUT=False,
                       HAS_POSITIONS=False, HAS_QUERY_MASKS=True, DOT_PRECISION="tf32",
                       TMA=False, ROWS=tile.rows, PACK=tile.pack, BLOCK_N=BLOCK)
+    if name == "dkdv":
+        constexprs["TOKENS"] = 1
     report = compile_for_sm90(kernel, constexprs, TYPES, config.num_warps, config.num_stages,
                               sys.argv[1])
     print(json.dumps(dict(report, kernel=name)))

@@ -194,28 +194,44 @@ def query_chunk(
 @triton.jit
 def dkdv_step(
     dk, dv, k_tile, v_tile, q_source, do_source, lse, delta, row_indices, documents,
-    q_block_positions, query_masks, step, batch, first_head, key_first, key_positions,
+    q_block_positions, query_masks, step, step_end, batch, first_head, key_first, key_positions,
     stride_q_s, stride_q_h, stride_grad_out_s, stride_grad_out_h, stride_lse_b, stride_lse_h,
     dropout_p, dropout_seed, seq_len_q, query_end, key_end, qk_scale, window_left,
     window_right, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TOKENS: tl.constexpr,
 ):  # fmt: skip
-    """One query tile of a dK/dV program (step along the transposed layout's row): dK and dV
-    [BLOCK_N, D_PAD] accumulated, plus the tile's transposed dS [BLOCK_N, BLOCK_M] (fp32,
-    before softmax_scale) and its rows, heads and validity [BLOCK_M], for a caller that
-    also wants dQ. lse and delta are fp32 [B, H_q, S_q]; documents points at this batch
-    row's ids."""
+    """One query tile of a dK/dV program (step along the transposed layout's row, of
+    [step_start, step_end)): dK and dV [BLOCK_N, D_PAD] accumulated. lse and delta are
+    fp32 [B, H_q, S_q]; documents points at this batch row's ids. TOKENS > 1 (rows of one token,
+    Q_BLOCK 1, no query masks): the tile gathers the steps step .. step + TOKENS - 1, each a
+    token of PACK heads, BLOCK_M = TOKENS * PACK."""
     ROW_TMA: tl.constexpr = TMA and PACK == 1
     STEPS_PER_BLOCK: tl.constexpr = Q_BLOCK // ROWS
-    first_row = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
-    rows, heads = packed_rows(first_row, first_head, ROWS, PACK)  # [BLOCK_M] x2
-    row_valid = rows < seq_len_q  # [BLOCK_M]
-    query_first, query_positions = global_positions(
-        first_row, rows, Q_BLOCK, q_block_positions, HAS_POSITIONS
-    )  # [BLOCK_M]
+    if TOKENS > 1:
+        slots = tl.arange(0, TOKENS * PACK)  # [BLOCK_M], heads fastest
+        entries = step + slots // PACK
+        live = entries < step_end
+        rows = tl.load(row_indices + entries, mask=live, other=0)  # [BLOCK_M] the tokens
+        heads = first_head + slots % PACK
+        row_valid = live & (rows < seq_len_q)
+        query_positions = rows
+        if HAS_POSITIONS:
+            query_positions = tl.load(q_block_positions + rows, mask=live, other=0)
+        # Bounds of the tile's positions, for mask_scores' whole-tile tests.
+        query_first = tl.min(tl.where(live, query_positions, query_end), 0)
+        query_last = tl.max(tl.where(live, query_positions, -1), 0)
+        first_row = query_first  # read by TMA loads only, which packed tiles never take
+    else:
+        first_row = step_first(row_indices, step, STEPS_PER_BLOCK, Q_BLOCK, ROWS)
+        rows, heads = packed_rows(first_row, first_head, ROWS, PACK)  # [BLOCK_M] x2
+        row_valid = rows < seq_len_q  # [BLOCK_M]
+        query_first, query_positions = global_positions(
+            first_row, rows, Q_BLOCK, q_block_positions, HAS_POSITIONS
+        )  # [BLOCK_M]
+        query_last = query_first + ROWS - 1
     q_tile = load_tile(q_source, first_row, rows, heads, row_valid, stride_q_s, stride_q_h,
                        HEAD_DIM, HEAD_DIM_PAD, ROW_TMA)  # fmt: skip  # [BLOCK_M, D_PAD]
     do_tile = load_tile(do_source, first_row, rows, heads, row_valid, stride_grad_out_s,
@@ -231,8 +247,8 @@ def dkdv_step(
     query_documents = documents_of(documents, query_positions, query_end, HAS_DOCUMENTS)
     query_mask = query_mask_word(query_masks, step // STEPS_PER_BLOCK, HAS_QUERY_MASKS)
     scores = mask_scores(
-        scores, query_positions[None, :], key_positions[:, None], query_first,
-        query_first + ROWS - 1, key_first, BLOCK_N, key_end, window_left, window_right,
+        scores, query_positions[None, :], key_positions[:, None], query_first, query_last,
+        key_first, BLOCK_N, key_end, window_left, window_right,
         HAS_LEFT, HAS_RIGHT, documents, query_documents[None, :], HAS_DOCUMENTS, query_mask,
         Q_BLOCK, ROWS, HAS_QUERY_MASKS,
     )  # fmt: skip  # [BLOCK_N, BLOCK_M]
@@ -250,7 +266,7 @@ def dkdv_step(
         dv = tl.dot(probs.to(do_tile.dtype), do_tile, dv, input_precision=DOT_PRECISION)
     grad_scores = probs * (grad_probs - row_delta[None, :])  # [BLOCK_N, BLOCK_M]
     dk = tl.dot(grad_scores.to(q_tile.dtype), q_tile, dk, input_precision=DOT_PRECISION)
-    return dk, dv, grad_scores, rows, heads, row_valid
+    return dk, dv
 
 
 @triton.jit
@@ -283,7 +299,7 @@ def _dkdv_kernel(
     KV_BLOCK: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_DOCUMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(S_kv, BLOCK_N), H_kv, B), in kv order: under a causal layout the first kv
     blocks are used by the most query blocks, so the heavy tiles already start first.
@@ -292,7 +308,8 @@ def _dkdv_kernel(
     HAS_POSITIONS: the programs walk buffer slots (kv blocks of the layout) and local query
     blocks, whose positions come from kv_block_positions and q_block_positions; a slot's
     padding rows (past the sequence end) get dK = dV = 0. HAS_QUERY_MASKS: query_masks are
-    the words in the transposed layout's order (aligned with row_indices)."""
+    the words in the transposed layout's order (aligned with row_indices). TOKENS: steps a
+    query tile gathers (dkdv_step)."""
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
     key_row_first = tl.program_id(0) * BLOCK_N
@@ -314,15 +331,16 @@ def _dkdv_kernel(
             stride_grad_out_h, stride_layout, seq_len_q, group, layout_batch_stride,
             layout_head_divisor, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, KV_BLOCK, ROWS, PACK, TMA,
         )  # fmt: skip
-        for step in range(step_start, step_end):
-            dk, dv, _, _, _, _ = dkdv_step(
+        for step in range(step_start, step_end, TOKENS):
+            dk, dv = dkdv_step(
                 dk, dv, k_tile, v_tile, q_source, do_source, lse, delta, row_indices,
-                documents, q_block_positions, query_masks, step, batch, first_head, key_first,
+                documents, q_block_positions, query_masks, step, step_end, batch, first_head,
+                key_first,
                 key_positions, stride_q_s, stride_q_h, stride_grad_out_s, stride_grad_out_h,
                 stride_lse_b, stride_lse_h, dropout_p, dropout_seed, seq_len_q, query_end,
                 key_end, qk_scale, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK,
                 BLOCK_N, ROWS, PACK, HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, HAS_DROPOUT,
-                HAS_POSITIONS, HAS_QUERY_MASKS, DOT_PRECISION, TMA,
+                HAS_POSITIONS, HAS_QUERY_MASKS, DOT_PRECISION, TMA, TOKENS,
             )  # fmt: skip  # [BLOCK_N, D_PAD] x2
 
     store_dkdv(grad_k + batch * stride_grad_k_b, grad_v + batch * stride_grad_v_b, dk, dv,
@@ -387,18 +405,20 @@ def dkdv_tiles(
     tma: bool,
     query_rows: int | None,
     kv_rows: int | None,
-) -> tuple[configs.RowTile, int, configs.Launch]:
-    """Query tile, key rows (BLOCK_N) and autotune Launch of a program over the transposed
-    layout (None: the configs module's choice)."""
+) -> tuple[configs.RowTile, int, int, configs.Launch]:
+    """Query tile, the steps it gathers (TOKENS: rows of one token fill a tile with several
+    tokens, since the kv block's entries are tokens), key rows (BLOCK_N) and autotune Launch
+    of a program over the transposed layout (None: the configs module's choice)."""
     padded = _env.head_dim_pad(q.shape[3])
     if kv_rows is None:
         kv_rows = configs.dkdv_kv_rows(padded, layout.kv_block)
     if query_rows is None:
         query_rows = configs.max_query_rows(padded, "dkdv")
     tile = packing(layout, query_rows, q.shape[2], heads_kv)
-    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), tma,
+    tokens = max(1, query_rows // (tile.rows * tile.pack)) if layout.q_block == 1 else 1
+    launch = configs.Launch(padded, tokens * tile.rows * tile.pack, q.element_size(), tma,
                             _env.shared_memory(q.device))  # fmt: skip
-    return tile, kv_rows, launch
+    return tile, tokens, kv_rows, launch
 
 
 def attention_backward(
@@ -471,7 +491,8 @@ def attention_backward(
         )  # fmt: skip
 
     transposed = layout.transpose()
-    tile, kv_rows, launch = dkdv_tiles(layout, q, heads_kv, tma, dkdv_query_rows, dkdv_kv_rows)
+    tile, tokens, kv_rows, launch = dkdv_tiles(layout, q, heads_kv, tma, dkdv_query_rows,
+                                               dkdv_kv_rows)  # fmt: skip
     grid = (triton.cdiv(k.shape[1], kv_rows), heads_kv, batch)
     kernel = _dkdv_kernel if dkdv_config is not None else _tuned_dkdv(launch, kv_rows)
     with descriptor_scratch(q.device):
@@ -480,6 +501,7 @@ def attention_backward(
             row_indices=transposed.col_indices, **strides("grad_k", grad_k),
             **strides("grad_v", grad_v), stride_layout=transposed.row_offsets.stride(0),
             **query_mask_arguments(query_masks, "csc", layout.row_offsets), ROWS=tile.rows,
-            PACK=tile.pack, BLOCK_N=kv_rows, **shared, **config_arguments(dkdv_config),
+            PACK=tile.pack, BLOCK_N=kv_rows, TOKENS=tokens, **shared,
+            **config_arguments(dkdv_config),
         )  # fmt: skip
     return grad_q, grad_k, grad_v

@@ -32,11 +32,14 @@ TYPES.update(lse="*fp32", delta="*fp32", row_offsets="*i32", col_indices="*i32",
              softmax_scale="fp32", dropout_p="fp32", q_block_positions="*i32",
              kv_block_positions="*i32")
 for kernel, features, loads, index, unpruned in json.loads(sys.argv[2]):
-    shared_heads = 1 if loads == "tma" else 4  # TMA: unpacked query tiles
+    # TMA: unpacked query tiles; rows of one token (Q_BLOCK 1) pack 16 heads
+    shared_heads = 1 if loads == "tma" else 16 if Q_BLOCK == 1 else 4
     tile = configs.row_tile(Q_BLOCK, configs.max_query_rows(D, kernel), shared_heads)
+    # dK/dV gathers tokens of rows of one token into its query tiles (backward.dkdv_tiles)
+    tokens = configs.max_query_rows(D, kernel) // tile.pack if Q_BLOCK == 1 else 1
     block_n = configs.dkdv_kv_rows(D, KV_BLOCK)
     limit = 1 << 30 if unpruned else _env.HOPPER_SHARED_MEMORY
-    launch = configs.Launch(D, tile.rows * tile.pack, 2, loads == "tma", limit)
+    launch = configs.Launch(D, tokens * tile.rows * tile.pack, 2, loads == "tma", limit)
     choices = {
         "forward": lambda: configs.forward_configs(launch, KV_BLOCK),
         "dq": lambda: configs.dq_configs(launch, KV_BLOCK),
@@ -50,7 +53,7 @@ for kernel, features, loads, index, unpruned in json.loads(sys.argv[2]):
                       DOT_PRECISION="tf32", TMA=loads == "tma", ROWS=tile.rows, PACK=tile.pack,
                       **config.kwargs)
     if kernel == "dkdv":
-        constexprs["BLOCK_N"] = block_n
+        constexprs.update(BLOCK_N=block_n, TOKENS=tokens)
     report = compile_for_sm90(KERNELS[kernel], constexprs, TYPES, config.num_warps,
                               config.num_stages, sys.argv[1])
     need = configs.shared_memory_need(config, kernel, launch, block_n)
@@ -89,6 +92,14 @@ def test_kernels_compile_for_hopper(tmp_path, features, loads):
         # pointer joined its parameters); the others must not.
         limit = {"dkdv": 1024, "dq": 128 if features == "features" else 64}.get(name, 64)
         assert spills <= limit, f"{name} spills {spills} bytes of registers"
+
+
+def test_token_rows_dkdv_compiles_for_hopper(tmp_path):
+    """Rows of one token (q_block 1, 16 heads a token): dK/dV gathers 4 tokens into 64-row
+    query tiles, on wgmma, spilling no more than the 64-row tiles of other q blocks."""
+    (report,) = compile_variants(tmp_path, [["dkdv", "plain", "pointers", None, False]], 1)
+    assert report["wgmma"], "dkdv over rows of one token does not use wgmma"
+    assert report["spills"] <= 1024, f"dkdv spills {report['spills']} bytes of registers"
 
 
 # Each load mode with one tile height (the four pairs take minutes on two cores).
