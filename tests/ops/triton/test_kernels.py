@@ -125,7 +125,7 @@ CASES = {
         kv_block=32, window_size=(40, -1), density=0.8,
     ),
     "window-both-gqa8-layout-per-qhead": Case(
-        batch=2, seq_len_q=80, heads_q=8, heads_kv=1, head_dim=64, q_block=16, kv_block=16,
+        batch=1, seq_len_q=80, heads_q=8, heads_kv=1, head_dim=64, q_block=16, kv_block=16,
         layout_heads="q", window_size=(24, 8), density=0.8,
     ),
     "causal-window-sq>skv": Case(
