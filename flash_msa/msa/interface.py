@@ -14,6 +14,7 @@ from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.token_selection import MAX_MASK_QUERIES, select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.ops.triton import MIN_TILE_ROWS
+from flash_msa.ops.triton.configs import largest_power_of_two_dividing
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 GRANULARITIES = ("token", "block")
@@ -35,7 +36,7 @@ class MsaSelection(NamedTuple):
         granularity "token" row r holds the union of the blocks its query tile's tokens chose.
     query_masks: int64 [layout.nnz] aligned with layout.col_indices, bit t set when token
         r * q_block + t chose the block (granularity "token"); None when every query of a
-        row reads every block of the row (granularity "block", warm-up).
+        row reads every block of the row (granularity "block", warm-up, q_block 1).
     """
 
     layout: BlockLayout
@@ -112,7 +113,7 @@ def check_msa_inputs(
     check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)
     check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
-    packed = heads_q // heads_proxy & -(heads_q // heads_proxy)  # largest power of two dividing
+    packed = largest_power_of_two_dividing(heads_q // heads_proxy)  # heads a tile packs
     if q_block * packed < MIN_TILE_ROWS:
         raise ValueError(
             f"q_block {q_block} with H_q / H_p = {heads_q // heads_proxy} query heads per proxy "

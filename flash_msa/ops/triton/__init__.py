@@ -9,6 +9,7 @@ from flash_msa import _env
 from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
 from flash_msa.ops.triton.backward import attention_backward
+from flash_msa.ops.triton.configs import largest_power_of_two_dividing
 from flash_msa.ops.triton.forward import attention_forward
 
 MAX_HEAD_DIM = 256
@@ -22,11 +23,12 @@ def _check(call: AttentionCall) -> Refusal | None:
     # A query block smaller than MIN_TILE_ROWS (1: a row per token) fills its tiles with the
     # query heads that share its layout row and kv head.
     shared = math.gcd(call.heads_q // call.heads_kv, call.heads_q // call.layout_heads)
-    if call.q_block * (shared & -shared) < MIN_TILE_ROWS:
+    packed = largest_power_of_two_dividing(shared)
+    if call.q_block * packed < MIN_TILE_ROWS:
         return Refusal(
             f"triton needs q_block x packed query heads >= {MIN_TILE_ROWS} rows per tile; "
-            f"q_block {call.q_block} packs {shared & -shared} heads (those sharing a kv head "
-            "and a layout row): use a larger q_block"
+            f"q_block {call.q_block} packs {packed} heads (those sharing a kv head and a "
+            "layout row): use a larger q_block"
         )
     return None
 

@@ -23,7 +23,7 @@ class RowTile(NamedTuple):
     pack: int
 
 
-def _largest_power_of_two_dividing(value: int) -> int:
+def largest_power_of_two_dividing(value: int) -> int:
     return value & -value
 
 
@@ -36,7 +36,7 @@ def row_tile(block: int, max_rows: int, shared_heads: int) -> RowTile:
     two dividing it so that BLOCK_M is a power of two.
     """
     rows = min(block, max_rows)
-    pack = min(_largest_power_of_two_dividing(shared_heads), max_rows // rows)
+    pack = min(largest_power_of_two_dividing(shared_heads), max_rows // rows)
     return RowTile(rows, pack)
 
 
