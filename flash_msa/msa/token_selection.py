@@ -408,6 +408,11 @@ def _token_rows_layout(selected: torch.Tensor, seq_len_kv: int, kv_block: int) -
     """The layout of q_block 1: row t of layout (b, p) holds token t's kept blocks (already
     ascending, the padding -1 at the end of each row)."""
     batch, heads, seq_len, _ = selected.shape
+    if selected.numel() > torch.iinfo(torch.int32).max:  # entries the int32 offsets can count
+        raise ValueError(
+            f"rows of one token hold up to B * H_p * S * top_k = {selected.numel():,} entries, "
+            "more than int32 layout offsets count: split the batch"
+        )
     kept = selected >= 0  # [B, H_p, S, top_k]
     ends = kept.sum(-1, dtype=torch.int32).flatten().cumsum(0, dtype=torch.int32)  # [L * S]
     offsets = torch.cat([ends.new_zeros(1), ends])  # [L * S + 1]
