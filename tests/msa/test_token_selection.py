@@ -281,6 +281,12 @@ def test_select_tokens_rejects_bad_options(options, error, match):
         select_tokens(q_proxy, k_proxy, **options)
 
 
+def test_rows_of_one_token_refuse_more_entries_than_int32_counts():
+    selected = torch.zeros(1, 1, 1, 1, dtype=torch.int32).expand(1, 2, 2**15, 2**15)  # no memory
+    with pytest.raises(ValueError, match="2,147,483,648 entries, more than int32"):
+        token_selection_layout(selected, seq_len=2**15, q_block=1, kv_block=128, check=False)
+
+
 def test_token_selection_layout_rejects_bad_input():
     selected = torch.full((1, 1, 40, 2), -1, dtype=torch.int32)
     selected[..., 0] = torch.arange(40) // 16  # 3 kv blocks
