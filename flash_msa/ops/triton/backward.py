@@ -141,7 +141,7 @@ def _dq_kernel(
 
 
 @triton.jit
-def key_program(
+def _key_program(
     k, v, kv_head, key_row_first, kv_block_positions, stride_k_s, stride_k_h,
     stride_v_s, stride_v_h, seq_len_kv, position_seq_len, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,7 +167,7 @@ def key_program(
 
 
 @triton.jit
-def query_chunk(
+def _query_chunk(
     q, grad_out, row_offsets, chunk, kv_head, batch, key_row_first, stride_q_s, stride_q_h,
     stride_grad_out_s, stride_grad_out_h, stride_layout, seq_len_q, group, layout_batch_stride,
     layout_head_divisor, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -192,7 +192,7 @@ def query_chunk(
 
 
 @triton.jit
-def dkdv_step(
+def _dkdv_step(
     dk, dv, k_tile, v_tile, q_source, do_source, lse, delta, row_indices, documents,
     q_block_positions, query_masks, step, step_end, batch, first_head, key_first, key_positions,
     stride_q_s, stride_q_h, stride_grad_out_s, stride_grad_out_h, stride_lse_b, stride_lse_h,
@@ -270,7 +270,7 @@ def dkdv_step(
 
 
 @triton.jit
-def store_dkdv(
+def _store_dkdv(
     grad_k, grad_v, dk, dv, key_rows, kv_head, stride_grad_k_s, stride_grad_k_h,
     stride_grad_v_s, stride_grad_v_h, seq_len_kv, softmax_scale, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -309,13 +309,13 @@ def _dkdv_kernel(
     blocks, whose positions come from kv_block_positions and q_block_positions; a slot's
     padding rows (past the sequence end) get dK = dV = 0. HAS_QUERY_MASKS: query_masks are
     the words in the transposed layout's order (aligned with row_indices). TOKENS: steps a
-    query tile gathers (dkdv_step)."""
+    query tile gathers (_dkdv_step)."""
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
     key_row_first = tl.program_id(0) * BLOCK_N
     query_end = position_seq_len if HAS_POSITIONS else seq_len_q
     key_end = position_seq_len if HAS_POSITIONS else seq_len_kv
-    key_rows, key_first, key_positions, k_tile, v_tile = key_program(
+    key_rows, key_first, key_positions, k_tile, v_tile = _key_program(
         k + batch * stride_k_b, v + batch * stride_v_b, kv_head, key_row_first,
         kv_block_positions, stride_k_s, stride_k_h, stride_v_s, stride_v_h, seq_len_kv,
         position_seq_len, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK, BLOCK_N, HAS_POSITIONS, TMA,
@@ -325,14 +325,14 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)  # [BLOCK_N, D_PAD]
     for chunk in range(0, group // PACK):
-        first_head, step_start, step_end, q_source, do_source = query_chunk(
+        first_head, step_start, step_end, q_source, do_source = _query_chunk(
             q + batch * stride_q_b, grad_out + batch * stride_grad_out_b, row_offsets, chunk,
             kv_head, batch, key_row_first, stride_q_s, stride_q_h, stride_grad_out_s,
             stride_grad_out_h, stride_layout, seq_len_q, group, layout_batch_stride,
             layout_head_divisor, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK, KV_BLOCK, ROWS, PACK, TMA,
         )  # fmt: skip
         for step in range(step_start, step_end, TOKENS):
-            dk, dv = dkdv_step(
+            dk, dv = _dkdv_step(
                 dk, dv, k_tile, v_tile, q_source, do_source, lse, delta, row_indices,
                 documents, q_block_positions, query_masks, step, step_end, batch, first_head,
                 key_first,
@@ -343,7 +343,7 @@ def _dkdv_kernel(
                 HAS_POSITIONS, HAS_QUERY_MASKS, DOT_PRECISION, TMA, TOKENS,
             )  # fmt: skip  # [BLOCK_N, D_PAD] x2
 
-    store_dkdv(grad_k + batch * stride_grad_k_b, grad_v + batch * stride_grad_v_b, dk, dv,
+    _store_dkdv(grad_k + batch * stride_grad_k_b, grad_v + batch * stride_grad_v_b, dk, dv,
                key_rows, kv_head, stride_grad_k_s, stride_grad_k_h, stride_grad_v_s,
                stride_grad_v_h, seq_len_kv, softmax_scale, HEAD_DIM,
                HEAD_DIM_PAD)  # fmt: skip
@@ -361,7 +361,7 @@ def _tuned_dkdv(launch: configs.Launch, block_n: int):
     return triton.autotune(configs=choices, key=AUTOTUNE_KEY)(_dkdv_kernel)
 
 
-def shared_arguments(
+def _shared_arguments(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -398,7 +398,7 @@ def shared_arguments(
     )  # fmt: skip
 
 
-def dkdv_tiles(
+def _dkdv_tiles(
     layout: BlockLayout,
     q: torch.Tensor,
     heads_kv: int,
@@ -468,7 +468,7 @@ def attention_backward(
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     tma = resolve_tma(tma, q, k, v, out, grad_out,
                       kv_padding=padding_rows(positions, layout.kv_block))  # fmt: skip
-    shared = shared_arguments(
+    shared = _shared_arguments(
         grad_out, q, k, v, lse, delta, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, dropout_p=dropout_p,
         dropout_seed=dropout_seed, positions=positions, tma=tma,
@@ -491,7 +491,7 @@ def attention_backward(
         )  # fmt: skip
 
     transposed = layout.transpose()
-    tile, tokens, kv_rows, launch = dkdv_tiles(layout, q, heads_kv, tma, dkdv_query_rows,
+    tile, tokens, kv_rows, launch = _dkdv_tiles(layout, q, heads_kv, tma, dkdv_query_rows,
                                                dkdv_kv_rows)  # fmt: skip
     grid = (triton.cdiv(k.shape[1], kv_rows), heads_kv, batch)
     kernel = _dkdv_kernel if dkdv_config is not None else _tuned_dkdv(launch, kv_rows)

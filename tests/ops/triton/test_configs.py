@@ -35,7 +35,7 @@ for kernel, features, loads, index, unpruned in json.loads(sys.argv[2]):
     # TMA: unpacked query tiles; rows of one token (Q_BLOCK 1) pack 16 heads
     shared_heads = 1 if loads == "tma" else 16 if Q_BLOCK == 1 else 4
     tile = configs.row_tile(Q_BLOCK, configs.max_query_rows(D, kernel), shared_heads)
-    # dK/dV gathers tokens of rows of one token into its query tiles (backward.dkdv_tiles)
+    # dK/dV gathers tokens of rows of one token into its query tiles (backward._dkdv_tiles)
     tokens = configs.max_query_rows(D, kernel) // tile.pack if Q_BLOCK == 1 else 1
     block_n = configs.dkdv_kv_rows(D, KV_BLOCK)
     limit = 1 << 30 if unpruned else _env.HOPPER_SHARED_MEMORY
