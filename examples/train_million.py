@@ -28,6 +28,7 @@ import json
 import pathlib
 import resource
 import tempfile
+import time
 
 import torch
 
@@ -106,6 +107,10 @@ def main() -> None:
         "(per query token; from random init its choices are uncorrelated, and tiles of 64 "
         "tokens then hold the union of their choices: nearly dense at 1M)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-minutes", type=float, default=None,
+        help="stop (and report the steps made) once this much training time has passed",
+    )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -131,6 +136,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     workers = 2 if device.type == "cuda" else 0  # 1M-token batches are built ahead
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = pathlib.Path(folder) / "checkpoint.pt"
         # The first step compiles and tunes the kernels: one call for it (a deadline already
@@ -138,8 +144,11 @@ def main() -> None:
         first = train(model, needles, config, device=device, checkpoint_path=checkpoint,
                       deadline=0.0, progress=False, data_workers=workers)  # fmt: skip
         first_seconds, first_tokens = first.train_seconds, first.tokens
+        deadline = None
+        if args.max_minutes is not None:
+            deadline = started + 60 * args.max_minutes
         state = train(model, needles, config, device=device, checkpoint_path=checkpoint,
-                      data_workers=workers)  # fmt: skip
+                      deadline=deadline, data_workers=workers)  # fmt: skip
     later_seconds = state.train_seconds - first_seconds
     result = dict(
         run_meta(device), model=dataclasses.asdict(model_config), seq_len=args.seq_len,
