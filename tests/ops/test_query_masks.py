@@ -260,7 +260,7 @@ def test_transpose_entries_map_the_csc_order_to_the_csr_one():
 
 def test_registry_describes_query_masks():
     call = registry.AttentionCall(
-        device=torch.device("cpu"), dtype=torch.float32, head_dim=16, q_block=32, kv_block=32,
+        device=torch.device(DEVICE), dtype=torch.float32, head_dim=16, q_block=32, kv_block=32,
         dropout=False, documents=False, deterministic=False, element_masks=True, seq_len_q=64,
         seq_len_kv=64, batch=1, heads_q=2, heads_kv=2, layout_heads=1, query_masks=True,
     )  # fmt: skip
