@@ -10,9 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import pathlib
-import subprocess
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -99,28 +97,13 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def commit() -> str:
-    """FLASH_MSA_COMMIT where set (a copied tree's .git may be stale or absent), else git's
-    short HEAD of this repository, else "unknown"."""
-    if os.environ.get("FLASH_MSA_COMMIT"):
-        return os.environ["FLASH_MSA_COMMIT"]
-    try:
-        top, head = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-    except (OSError, ValueError, subprocess.CalledProcessError):
-        return "unknown"
-    return head if pathlib.Path(top).resolve() == ROOT else "unknown"
-
-
 def run_metadata(device: torch.device) -> dict:
     """The device and its memory, torch and triton versions, the date, the commit and the
     digest of flash_msa's sources: merged into every record of the run."""
-    return dict(bench.device_metadata(device), commit=commit(), source_sha256=source_digest())
+    return dict(
+        bench.device_metadata(device), commit=bench.source_commit(),
+        source_sha256=source_digest(),
+    )  # fmt: skip
 
 
 def results_dir(out: str | None, device: torch.device, suffix: str = "") -> pathlib.Path:

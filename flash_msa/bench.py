@@ -9,8 +9,10 @@ import dataclasses
 import datetime
 import gc
 import os
+import pathlib
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 
@@ -462,6 +464,22 @@ def speedups(records: list[dict]) -> None:
 
 
 # ---- reports -------------------------------------------------------------------------
+
+
+def source_commit() -> str:
+    """FLASH_MSA_COMMIT where set (a copied tree's .git may be stale or absent), else git's
+    short HEAD of the repository this package sits in, else "unknown"."""
+    if os.environ.get("FLASH_MSA_COMMIT"):
+        return os.environ["FLASH_MSA_COMMIT"]
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        top, head = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=root,
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.split()  # fmt: skip
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return "unknown"
+    return head if pathlib.Path(top).resolve() == root else "unknown"
 
 
 def device_metadata(device: torch.device) -> dict:

@@ -9,11 +9,11 @@ import json
 import pathlib
 import platform
 import statistics
-import subprocess
 
 import torch
 import triton
 
+from flash_msa.bench import source_commit
 from flash_msa.niah.evaluate import GridConfig
 from flash_msa.niah.model import VARIANTS, ModelConfig
 from flash_msa.niah.tasks import TASKS, NeedleConfig
@@ -30,16 +30,9 @@ def run_meta(device: torch.device) -> dict:
         name = torch.cuda.get_device_name(device)
     else:
         name = f"CPU ({platform.processor() or platform.machine()})"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=pathlib.Path(__file__).parent, timeout=10,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = "-"
     return dict(
         device=name, torch=torch.__version__, triton=triton.__version__,
-        date=datetime.date.today().isoformat(), commit=commit,
+        date=datetime.date.today().isoformat(), commit=source_commit(),
     )  # fmt: skip
 
 

@@ -52,8 +52,8 @@ def test_rows_of_one_token_match_reference(name, options, poisoned_allocations):
     grads = attention_backward(grad_out, q, k, v, out, lse, layout, **options)
 
     documents = None if document_ids is None else document_ids.cpu()
-    mask = layout_mask(layout.to("cpu"), 1, HEADS_Q, causal=True, window_size=options["window_size"],
-                       document_ids=documents)  # fmt: skip
+    mask = layout_mask(layout.to("cpu"), 1, HEADS_Q, causal=True,
+                       window_size=options["window_size"], document_ids=documents)  # fmt: skip
     dropout_p = options.get("dropout_p", 0.0)
     keep = None
     if dropout_p:
