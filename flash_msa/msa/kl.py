@@ -7,14 +7,17 @@ selected blocks, causal, within i's document):
   kl(i, p) = sum_j t log(t / s) = sum_j t (log t - z) + lse_proxy(i) * sum_j t
 where z is the scaled proxy logit and lse_proxy its log-sum-exp over the keys. kl_loss is the
 mean of kl over the N (token, proxy head) terms, or their sum. Its gradient reaches the proxy
-only: d kl_loss / d z(i, j) = (s - t) / N (N = 1 for the sum). Three kernels over the block
+only: d kl_loss / d z(i, j) = (s - t) / N (N = 1 for the sum). Two kernels over the block
 layout, each recomputing the teacher from q, k and the main attention's lse (never stored):
-the forward (rows), dq_proxy (rows) and dk_proxy (the transposed layout: per kv block, the
-query blocks that use it). With q_blocks (context parallelism) the queries are some query
-blocks of the sequence the keys hold whole: local query block b sits at global query block
-q_blocks[b], where causality and documents see it. With query_masks (per-token selections,
-as the main attention's query_masks) token i sees only the blocks its own bits select: its
-teacher and student are both over exactly the keys its main attention used.
+the forward (rows), which also writes d kl_loss / d q_proxy when q_proxy needs a gradient
+(a first walk over the student alone finds its lse, the second recomputes the teacher once
+for the loss and the gradient; the backward scales it by d loss / d kl_loss), and dk_proxy
+(the transposed layout: per kv block, the query blocks that use it). With q_blocks (context
+parallelism) the queries are some query blocks of the sequence the keys hold whole: local
+query block b sits at global query block q_blocks[b], where causality and documents see it.
+With query_masks (per-token selections, as the main attention's query_masks) token i sees
+only the blocks its own bits select: its teacher and student are both over exactly the keys
+its main attention used.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from flash_msa.patterns.topk import check_query_blocks
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 DK_PROXY_TOKENS = 32  # tokens a dk_proxy step gathers, where each query block is one token
+# Warps of every KL program: at 4, ptxas spills kilobytes a thread on sm_90 for query blocks of
+# 1 and 16 (docs/performance.md).
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -133,9 +139,21 @@ def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.co
 
 
 @triton.jit
+def _online_lse(running_max, running_sum, logits):
+    """The running (max, sum of exp(z - max)) of rows [M] after the logits [M, N] (-inf where
+    not visible)."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
+        tl.exp(logits - safe_max[:, None]), axis=1
+    )
+    return new_max, running_sum
+
+
+@triton.jit
 def _kl_rows_kernel(
     q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, query_masks,
-    lse_proxy, grad_scale, out, kl_rows,
+    grad_scale, lse_proxy, kl_rows, grad_q_proxy,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_lse_b, stride_lse_h, stride_doc_b,
@@ -147,12 +165,13 @@ def _kl_rows_kernel(
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query block, batch x proxy head), walking its CSR row. Without GRAD:
-    writes kl_rows and lse_proxy [B, H_p, S_q]. With GRAD: reads lse_proxy and writes
-    out = d kl_loss / d q_proxy [B, S_q, H_p, D_p], grad_scale holding d loss / d kl_loss / N.
-    seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS only: else both are S).
-    HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with col_indices) keep, per block, the
-    rows whose bit is set."""
+    """One program per (query block, batch x proxy head), walking its CSR row; writes kl_rows
+    and lse_proxy [B, H_p, S_q]. With GRAD also grad_q_proxy = d kl_loss / d q_proxy
+    [B, S_q, H_p, D_p] times grad_scale (d kl_loss / d kl(i, p): 1 / N or 1): a first walk
+    over the student alone finds lse_proxy, the second recomputes the teacher once for the
+    loss and the gradient. seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS
+    only: else both are S). HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
+    col_indices) keep, per block, the rows whose bit is set."""
     block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy
     head = tl.program_id(1) % heads_proxy
@@ -172,15 +191,23 @@ def _kl_rows_kernel(
     layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
-    if GRAD:
-        lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
-        grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)
+    running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((Q_BLOCK,), tl.float32)
+    if GRAD:  # the student's lse first: the gradient needs it in the walk below
+        for entry in range(start, end):
+            cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
+            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+            if HAS_QUERY_MASKS:
+                visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
+            kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
+            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
+            running_max, running_sum = _online_lse(running_max, running_sum, logits)
+        seen = running_sum > 0
+        lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
+        grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
         coefficient = tl.load(grad_scale)
-    else:
-        running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
-        running_sum = tl.zeros((Q_BLOCK,), tl.float32)
-        cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
-        teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
+    cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
+    teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
         visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
@@ -194,41 +221,31 @@ def _kl_rows_kernel(
             query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK == 1, GROUP_PAD,
             DOT_PRECISION,
         )  # fmt: skip
-        if GRAD:
+        if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
-            grad_logits = (student - teacher) * coefficient
-            grad_logits = grad_logits.to(kp_tile.dtype)
+            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [M, N]
             if Q_BLOCK >= 16:
                 grad_q = tl.dot(grad_logits, kp_tile, grad_q, input_precision=DOT_PRECISION)
             else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
                 grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
                                  * kp_tile.to(tl.float32)[None, :, :], 1)  # fmt: skip
         else:
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
-                tl.exp(logits - safe_max[:, None]), axis=1
-            )
-            running_max = new_max
-            used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
-            log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
-            terms = tl.where(used, teacher * log_ratio, 0.0)
-            cross += tl.sum(terms, axis=1)
-            teacher_sum += tl.sum(teacher, axis=1)
+            running_max, running_sum = _online_lse(running_max, running_sum, logits)
+        used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
+        log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
+        cross += tl.sum(tl.where(used, teacher * log_ratio, 0.0), axis=1)
+        teacher_sum += tl.sum(teacher, axis=1)
+    seen = running_sum > 0
+    lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf"))
+    kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
+    tl.store(lse_proxy + row_stats, lse_p, mask=rows < query_len)
+    tl.store(kl_rows + row_stats, kl, mask=rows < query_len)
     if GRAD:
         dims = tl.arange(0, PROXY_DIM_PAD)
-        pointers = (out + batch * stride_qp_b + head * stride_qp_h
+        pointers = (grad_q_proxy + batch * stride_qp_b + head * stride_qp_h
                     + rows.to(tl.int64)[:, None] * stride_qp_s + dims[None, :])  # fmt: skip
-        tl.store(pointers, (grad_q * proxy_scale).to(out.dtype.element_ty),
+        tl.store(pointers, (grad_q * proxy_scale).to(grad_q_proxy.dtype.element_ty),
                  mask=(rows[:, None] < query_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
-    else:
-        seen = running_sum > 0
-        lse_p = tl.where(
-            seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf")
-        )
-        kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
-        tl.store(lse_proxy + row_stats, lse_p, mask=rows < query_len)
-        tl.store(kl_rows + row_stats, kl, mask=rows < query_len)
 
 
 @triton.jit
@@ -336,7 +353,7 @@ def _kernel_arguments(
         GROUP_PAD=max(16, triton.next_power_of_2(heads_q // heads_proxy)),  # tl.dot's rows
         HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION=_env.dot_precision(q.dtype),
-        num_warps=4 if layout.q_block * layout.kv_block <= 64 * 64 else 8, num_stages=1,
+        num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip
 
 
@@ -365,8 +382,10 @@ def _kl_forward(
     proxy_softmax_scale: float,
     softmax_scale: float,
     reduction: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S_q])."""
+    with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S_q], d kl_loss / d q_proxy like q_proxy
+    with with_grad, else empty): the q_proxy gradient comes from the forward's own walk."""
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
@@ -375,19 +394,27 @@ def _kl_forward(
     batch, seq_len, heads_proxy, _ = q_proxy.shape
     lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
     kl_rows = torch.empty_like(lse_proxy)
+    grad_q_proxy = torch.empty_like(q_proxy) if with_grad else q_proxy.new_empty(0)
+    divisor = _divisor(reduction, kl_rows.numel())
+    grad_scale = lse.new_full((1,), 1 / divisor)  # d kl_loss / d kl(i, p)
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
-        row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
-        grad_scale=lse_proxy, out=q_proxy, kl_rows=kl_rows, num_q_blocks=layout.num_q_blocks,
-        **query_mask_arguments(masks, "csr", lse), GRAD=False, **arguments,
+        row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
+        lse_proxy=lse_proxy, kl_rows=kl_rows, grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
+        num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse),
+        GRAD=with_grad, **arguments,
     )  # fmt: skip
-    return kl_rows.sum() / _divisor(reduction, kl_rows.numel()), lse_proxy
+    return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
 
 
 @_kl_forward.register_fake
 def _(q_proxy, k_proxy, q, k, lse, *rest):
     batch, seq_len, heads_proxy, _ = q_proxy.shape
-    return lse.new_empty(()), lse.new_empty(batch, heads_proxy, seq_len)
+    with_grad = rest[-1]
+    return (
+        lse.new_empty(()), lse.new_empty(batch, heads_proxy, seq_len),
+        torch.empty_like(q_proxy) if with_grad else q_proxy.new_empty(0),
+    )  # fmt: skip
 
 
 @torch.library.custom_op("flash_msa::proxy_kl_backward", mutates_args=())
@@ -411,56 +438,52 @@ def _kl_backward(
     proxy_softmax_scale: float,
     softmax_scale: float,
     reduction: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d loss / d q_proxy, d loss / d k_proxy), from d loss / d kl_loss."""
+) -> torch.Tensor:
+    """d loss / d k_proxy, from d loss / d kl_loss."""
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
     arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
-    batch, _, heads_proxy, _ = q_proxy.shape
-    heads_proxy_keys = k_proxy.shape[2]
+    batch, heads_proxy_keys = q_proxy.shape[0], k_proxy.shape[2]
     divisor = _divisor(reduction, lse_proxy.numel())
     grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
-    grad_q_proxy = torch.empty_like(q_proxy)
-    _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
-        row_offsets=row_offsets, col_indices=col_indices, lse_proxy=lse_proxy,
-        grad_scale=grad_scale, out=grad_q_proxy, kl_rows=lse_proxy,
-        num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse), GRAD=True,
-        **arguments,
-    )  # fmt: skip
     grad_k_proxy = torch.empty_like(k_proxy)
     _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
         TOKENS=DK_PROXY_TOKENS, t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
-        lse_proxy=lse_proxy,
-        grad_scale=grad_scale, grad_k_proxy=grad_k_proxy, heads_proxy_keys=heads_proxy_keys,
-        num_kv_blocks=layout.num_kv_blocks, **query_mask_arguments(masks, "csc", lse),
-        **arguments,
+        lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
+        heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
+        **query_mask_arguments(masks, "csc", lse), **arguments,
     )  # fmt: skip
-    return grad_q_proxy, grad_k_proxy
+    return grad_k_proxy
 
 
 @_kl_backward.register_fake
 def _(grad_loss, q_proxy, k_proxy, *rest):
-    return torch.empty_like(q_proxy), torch.empty_like(k_proxy)
+    return torch.empty_like(k_proxy)
 
 
 def _setup_context(ctx, inputs, output):
     (q_proxy, k_proxy, q, k, lse, documents, q_blocks, query_masks, t_query_masks, row_offsets,
      col_indices, t_row_offsets, t_col_indices, sizes, proxy_softmax_scale, softmax_scale,
-     reduction) = inputs  # fmt: skip
+     reduction, with_grad) = inputs  # fmt: skip
     ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, q_blocks, query_masks,
                           t_query_masks, output[1], row_offsets, col_indices, t_row_offsets,
-                          t_col_indices)  # fmt: skip
+                          t_col_indices, output[2])  # fmt: skip
     ctx.options = dict(sizes=sizes, proxy_softmax_scale=proxy_softmax_scale,
                        softmax_scale=softmax_scale, reduction=reduction)  # fmt: skip
-    ctx.mark_non_differentiable(output[1])
+    ctx.with_grad = with_grad
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _autograd_backward(ctx, grad_loss, _grad_lse_proxy):
-    grad_q_proxy, grad_k_proxy = _kl_backward(grad_loss, *ctx.saved_tensors, **ctx.options)
-    return (grad_q_proxy, grad_k_proxy) + (None,) * 15
+def _autograd_backward(ctx, grad_loss, _grad_lse_proxy, _grad_grad_q_proxy):
+    *saved, grad_q_unit = ctx.saved_tensors
+    grad_q_proxy = grad_q_unit * grad_loss if ctx.with_grad else None
+    grad_k_proxy = None
+    if ctx.needs_input_grad[1]:
+        grad_k_proxy = _kl_backward(grad_loss, *saved, **ctx.options)
+    return (grad_q_proxy, grad_k_proxy) + (None,) * 16
 
 
 _kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -533,10 +556,10 @@ def proxy_kl_loss(
     q, k, lse = (tensor.detach().contiguous() for tensor in (q, k, lse))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
-    loss, _ = _kl_forward(
+    loss, _, _ = _kl_forward(
         q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, query_masks, t_query_masks,
         **layout.op_arguments(),
         proxy_softmax_scale=proxy_softmax_scale, softmax_scale=softmax_scale,
-        reduction=reduction,
+        reduction=reduction, with_grad=torch.is_grad_enabled() and q_proxy.requires_grad,
     )  # fmt: skip
     return loss
