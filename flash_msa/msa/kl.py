@@ -35,9 +35,6 @@ from flash_msa.patterns.topk import check_query_blocks
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 DK_PROXY_TOKENS = 32  # tokens a dk_proxy step gathers, where each query block is one token
-# Warps of every KL program: at 4, ptxas spills kilobytes a thread on sm_90 for query blocks of
-# 1 and 16 (docs/performance.md).
-NUM_WARPS = 8
 
 
 @triton.jit
@@ -327,6 +324,15 @@ def _kl_dk_proxy_kernel(
              mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
 
 
+def num_warps(kernel: str, q_block: int) -> int:
+    """Warps of a KL program ("rows" or "dk_proxy"), the faster of 4 and 8 on an H200 at 128K
+    tokens (docs/performance.md): rows of one token take 8, other rows 4; dk_proxy 8 for query
+    blocks of 64 or more, else 4."""
+    if kernel == "rows":
+        return 8 if q_block == 1 else 4
+    return 8 if q_block >= 64 else 4
+
+
 def _kernel_arguments(
     q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout: BlockLayout, scales
 ):
@@ -353,7 +359,7 @@ def _kernel_arguments(
         GROUP_PAD=max(16, triton.next_power_of_2(heads_q // heads_proxy)),  # tl.dot's rows
         HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION=_env.dot_precision(q.dtype),
-        num_warps=NUM_WARPS, num_stages=1,
+        num_stages=1,
     )  # fmt: skip
 
 
@@ -402,7 +408,7 @@ def _kl_forward(
         row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
         lse_proxy=lse_proxy, kl_rows=kl_rows, grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
         num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse),
-        GRAD=with_grad, **arguments,
+        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **arguments,
     )  # fmt: skip
     return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
 
@@ -454,7 +460,8 @@ def _kl_backward(
         TOKENS=DK_PROXY_TOKENS, t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
         lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
         heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
-        **query_mask_arguments(masks, "csc", lse), **arguments,
+        **query_mask_arguments(masks, "csc", lse), num_warps=num_warps("dk_proxy", layout.q_block),
+        **arguments,
     )  # fmt: skip
     return grad_k_proxy
 
