@@ -112,7 +112,8 @@ def msa_func_cp(
             H_q, D]; k, v: [B, S_local, H_kv, D]: this rank's tokens in
             plan.token_index(rank) order.
         plan: cp_plan of patterns.causal(S, q_block=q_block, kv_block=kv_block) for the
-            group's size ("headtail" balances MSA's scoring, which grows with position).
+            group's size ("headtail" balances MSA's scoring, which grows with position);
+            for rows of one token (q_block 1) a plan of patterns.causal(S, q_block=1, ...).
         top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup, granularity:
             as msa_func (q_block None: 16 for "token", 64 for "block", the plan's).
         cu_seqlens: int32 [N + 1], the documents packed in every row of the whole

@@ -340,7 +340,7 @@ def select_tokens(
     batch, seq_len, heads = q_proxy.shape[:3]
     seq_len_kv = k_proxy.shape[1]
     if q_blocks is not None:
-        check_block_size("q_block", q_block)
+        check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)  # 1: q_blocks name tokens
         q_blocks = check_query_blocks(
             q_blocks, seq_len_q=seq_len, seq_len=seq_len_kv, q_block=q_block,
             device=q_proxy.device,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flash_msa.layout import BlockLayout, check_block_size
+from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.sequences import check_cu_seqlens
 
 
@@ -34,7 +34,9 @@ def layout_meta(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if q_block is not None and kv_block is not None:
         check_block_size("block_size", block_size)  # unused, but still a mistake when wrong
-    q_block = check_block_size("q_block", block_size if q_block is None else q_block)
+    q_block = check_block_size(
+        "q_block", block_size if q_block is None else q_block, LAYOUT_BLOCK_SIZES
+    )  # rows of one token too (per-token MSA's plans)
     kv_block = check_block_size("kv_block", block_size if kv_block is None else kv_block)
     return dict(
         seq_len_q=seq_len_q,

@@ -597,7 +597,7 @@ def test_dense_calls_torch_backend(case):
 
 @needs_interpreter
 @given(case=cases("dense", ("triton",), valid=24))  # faults cost nothing: mostly valid
-@fuzz_settings(80)
+@fuzz_settings(60)
 def test_dense_calls_triton_backend(case):
     run(case)
 
