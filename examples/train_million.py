@@ -71,7 +71,9 @@ def markdown(result: dict) -> str:
                       f"{model['top_k']}, q_block {model['q_block']}, kv_block "
                       f"{model['kv_block']}, proxy heads {result['proxy_heads']}"),
         ("tokens per step", f"{result['seq_len']:,}"),
-        ("steps", result["steps"]),
+        ("steps", f"{result['steps']} of {result['planned_steps']}" + (
+            f" (stopped by --max-minutes {result['max_minutes']:g})"
+            if result["steps"] < result["planned_steps"] else "")),
         ("tokens / s (all steps)", f"{result['tokens_per_second']:,.0f}"),
         ("tokens / s (after the first step)", "-" if steady is None else f"{steady:,.0f}"),
         ("first step s", f"{result['first_step_seconds']:.1f}"),
@@ -152,7 +154,8 @@ def main() -> None:
     later_seconds = state.train_seconds - first_seconds
     result = dict(
         run_meta(device), model=dataclasses.asdict(model_config), seq_len=args.seq_len,
-        steps=state.step, parameters=sum(p.numel() for p in model.parameters()),
+        steps=state.step, planned_steps=args.steps, max_minutes=args.max_minutes,
+        parameters=sum(p.numel() for p in model.parameters()),
         proxy_heads=model_config.proxy_heads or model_config.kv_heads,
         lm_weight=config.lm_weight, kl_weight=config.kl_weight,
         tokens_per_second=state.tokens_per_second, first_step_seconds=first_seconds,
