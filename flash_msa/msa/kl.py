@@ -336,7 +336,7 @@ def num_warps(kernel: str, q_block: int) -> int:
 def _kernel_arguments(
     q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout: BlockLayout, scales
 ):
-    """The keyword arguments the three kernels share."""
+    """The keyword arguments the two kernels share."""
     batch, seq_len_q, heads_proxy, proxy_dim = q_proxy.shape
     heads_q, heads_kv, dim = q.shape[2], k.shape[2], q.shape[3]
     proxy_scale, softmax_scale = scales
