@@ -19,6 +19,11 @@ and a few selects per row and block, without a branch (a test whether any row ta
 block would synchronise the warps once per block). Nothing of size
 [S, num_kv_blocks] is ever formed: memory is the [B, H_p, S, top_k] output.
 
+With score_dtype float8_e4m3fn the products run in FP8 with fp32 accumulation (twice the
+tensor-core rate on Hopper): each proxy query row is scaled by its own largest magnitude
+(a positive factor per row leaves that row's order alone) and each kv block of proxy keys by
+its own, a positive factor the kernel multiplies back into the block's maximum.
+
 token_selection_layout turns the selection into the BlockLayout of the main attention's
 query tiles plus, per active block, the bit mask of the tile's queries that chose it.
 """
@@ -39,6 +44,7 @@ from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows,
 from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
+FP8 = torch.float8_e4m3fn  # score_dtype of FP8 scoring
 MAX_PACK = 4  # proxy heads per program: a 64-row tile still spans 16 tokens
 MAX_MASK_QUERIES = 64  # query_masks are int64: one bit per query of a tile
 _EMPTY: tl.constexpr = tl.constexpr(1 << 30)  # empty slots rank after every block
@@ -46,17 +52,18 @@ _EMPTY: tl.constexpr = tl.constexpr(1 << 30)  # empty slots rank after every blo
 
 @triton.jit
 def _block_max(
-    q_tile, k_base, stride_k_s, kv_first, documents, row_documents, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    q_tile, k_base, stride_k_s, k_scales, kv_first, documents, row_documents,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK: tl.constexpr,
+    HAS_DOCUMENTS: tl.constexpr, SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Max over the keys [kv_first, kv_first + KV_BLOCK) of each row's logit: [BLOCK_M] fp32.
     The block lies inside the sequence and before every row that ranks it, so every key is
     causal; with HAS_DOCUMENTS keys of another document count as -inf (documents: int32 [S]
-    of this batch row, row_documents [BLOCK_M] those of the rows). One dot per block and no
-    inner loop: the compiler pipelines the innermost loop, so the caller's walk over blocks
-    loads key tiles blocks ahead (in block_scores' _kv_block_max, a loop over the sub-blocks
-    of one kv block, loads overlap only within that block)."""
+    of this batch row, row_documents [BLOCK_M] those of the rows). SCALED: the keys are
+    quantized per kv block, k_scales (fp32 [num_kv_blocks] of this key head) their factors.
+    One dot per block and no inner loop: the compiler pipelines the innermost loop, so the
+    caller's walk over blocks loads key tiles blocks ahead (in block_scores' _kv_block_max, a
+    loop over the sub-blocks of one kv block, loads overlap only within that block)."""
     keys = kv_first + tl.arange(0, KV_BLOCK)  # [KV_BLOCK]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
     k_tile = tl.load(
@@ -68,7 +75,10 @@ def _block_max(
         key_documents = tl.load(documents + keys)  # [KV_BLOCK]
         same = key_documents[None, :] == row_documents[:, None]  # [M, KV_BLOCK]
         logits = tl.where(same, logits, float("-inf"))
-    return tl.max(logits, axis=1)
+    block_max = tl.max(logits, axis=1)
+    if SCALED:  # a positive factor: the max of the scaled logits is the scaled max
+        block_max *= tl.load(k_scales + kv_first // KV_BLOCK)
+    return block_max
 
 
 @triton.jit
@@ -97,6 +107,9 @@ def _token_selection_kernel(
     stride_k_b,
     stride_k_s,
     stride_k_h,
+    k_scales,
+    stride_ks_b,
+    stride_ks_h,
     stride_o_b,
     stride_o_h,
     stride_o_s,
@@ -116,6 +129,7 @@ def _token_selection_kernel(
     SLOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // PACK
@@ -135,6 +149,7 @@ def _token_selection_kernel(
         row_valid, HEAD_DIM, HEAD_DIM_PAD,
     )  # fmt: skip  # [BLOCK_M, D_PAD]
     k_base = k_proxy + batch * stride_k_b + key_head * stride_k_h
+    k_scales += batch * stride_ks_b + key_head * stride_ks_h
     own_blocks = positions // KV_BLOCK  # [BLOCK_M]
     last_block = tl.max(tl.where(row_valid, own_blocks, 0))  # the last row's own
 
@@ -157,8 +172,8 @@ def _token_selection_kernel(
     worst = tl.min(slot_scores, axis=1)  # [BLOCK_M]
     for block in range(start_block, last_block):
         block_max = _block_max(
-            q_tile, k_base, stride_k_s, block * KV_BLOCK, documents, row_documents, HEAD_DIM,
-            HEAD_DIM_PAD, KV_BLOCK, HAS_DOCUMENTS, DOT_PRECISION,
+            q_tile, k_base, stride_k_s, k_scales, block * KV_BLOCK, documents, row_documents,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK, HAS_DOCUMENTS, SCALED, DOT_PRECISION,
         )  # fmt: skip  # [BLOCK_M]
         # Rows whose own block this is (or is before) do not rank it: tiles of more tokens
         # than a kv block span several own blocks.
@@ -201,7 +216,8 @@ def _configs() -> list[triton.Config]:
 def _tuned_kernel():
     return triton.autotune(
         configs=_configs(),
-        key=["HEAD_DIM_PAD", "KV_BLOCK", "PACK", "SLOTS", "HAS_DOCUMENTS", "HAS_Q_BLOCKS"],
+        key=["HEAD_DIM_PAD", "KV_BLOCK", "PACK", "SLOTS", "HAS_DOCUMENTS", "HAS_Q_BLOCKS",
+             "SCALED"],
     )(_token_selection_kernel)
 
 
@@ -249,6 +265,46 @@ def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, local: bool) 
     check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
 
 
+def quantize_proxies(
+    q_proxy: torch.Tensor, k_proxy: torch.Tensor, kv_block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 scoring's inputs: (q8 like q_proxy, k8 like k_proxy, both float8_e4m3fn, and fp32
+    k_scales [B, H_pk, num_kv_blocks]). q8 is each (token, head) row of q_proxy over its
+    largest magnitude times e4m3's largest value, 448 (a positive factor per row, which a
+    row's ranking of blocks ignores); k8 the same per kv block of each key head, and
+    k8 * k_scales (repeated over a block's keys) is k_proxy up to e4m3's rounding. Zero rows
+    and blocks keep a factor of 1."""
+    largest = torch.finfo(FP8).max
+    q_amax = q_proxy.abs().amax(-1, keepdim=True).float()  # [B, S, H_p, 1]
+    q8 = (q_proxy.float() * (largest / torch.where(q_amax > 0, q_amax, largest))).to(FP8)
+    batch, seq_len, heads_keys, _ = k_proxy.shape
+    num_kv_blocks = math.ceil(seq_len / kv_block)
+    key_amax = k_proxy.abs().amax(-1).float()  # [B, S, H_pk]
+    padded = key_amax.new_zeros(batch, num_kv_blocks * kv_block, heads_keys)
+    padded[:, :seq_len] = key_amax
+    block_amax = padded.view(batch, num_kv_blocks, kv_block, heads_keys).amax(2)
+    k_scales = torch.where(block_amax > 0, block_amax / largest, 1.0)  # [B, blocks, H_pk]
+    key_scales = k_scales.repeat_interleave(kv_block, dim=1)[:, :seq_len, :, None]
+    k8 = (k_proxy.float() / key_scales).to(FP8)
+    return q8, k8, k_scales.transpose(1, 2).contiguous()
+
+
+def _check_score_dtype(score_dtype, device: torch.device) -> None:
+    """score_dtype is None or FP8, and FP8 runs here (tensor cores of sm_89 and up, or the
+    interpreter)."""
+    if score_dtype not in (None, FP8):
+        raise ValueError(
+            f"score_dtype must be None (the proxies' dtype) or torch.float8_e4m3fn, got "
+            f"{score_dtype!r}"
+        )
+    capability = _env.capability(device)
+    if score_dtype == FP8 and capability is not None and capability < (8, 9):
+        raise ValueError(
+            f"score_dtype torch.float8_e4m3fn needs FP8 tensor cores (compute capability 8.9 "
+            f"or more), but {device} has {capability[0]}.{capability[1]}: pass score_dtype=None"
+        )
+
+
 def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     """int32 [B, S]: the first position of each token's document (document_ids [B, S],
     non-decreasing along S)."""
@@ -265,6 +321,7 @@ def _select_tokens(
     document_ids: torch.Tensor | None,
     starts: torch.Tensor | None,
     q_blocks: torch.Tensor | None,
+    k_scales: torch.Tensor | None,
     selected: torch.Tensor,
     q_block: int,
     kv_block: int,
@@ -281,6 +338,9 @@ def _select_tokens(
     _tuned_kernel()[grid](
         q_proxy=q_proxy, k_proxy=k_proxy, selected=selected, **strides("q", q_proxy),
         **strides("k", k_proxy), **strides("o", selected, "bhs"),
+        k_scales=selected if k_scales is None else k_scales,
+        stride_ks_b=0 if k_scales is None else k_scales.stride(0),
+        stride_ks_h=0 if k_scales is None else k_scales.stride(1),
         documents=selected if document_ids is None else document_ids,
         document_starts=selected if starts is None else starts,
         stride_doc_b=0 if document_ids is None else document_ids.stride(0),
@@ -289,11 +349,13 @@ def _select_tokens(
         HEAD_DIM_PAD=_env.head_dim_pad(dim), KV_BLOCK=kv_block, PACK=pack, TOP_K=kept,
         SLOTS=triton.next_power_of_2(kept),
         DOT_PRECISION=_env.dot_precision(q_proxy.dtype), HAS_DOCUMENTS=document_ids is not None,
+        SCALED=k_scales is not None,
     )  # fmt: skip
 
 
 @_select_tokens.register_fake
-def _(q_proxy, k_proxy, document_ids, starts, q_blocks, selected, q_block, kv_block, kept):
+def _(q_proxy, k_proxy, document_ids, starts, q_blocks, k_scales, selected, q_block, kv_block,
+      kept):
     return None
 
 
@@ -307,6 +369,7 @@ def select_tokens(
     document_ids: torch.Tensor | None = None,
     q_blocks: torch.Tensor | None = None,
     q_block: int | None = None,
+    score_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-token kv-block selection of the module docstring.
 
@@ -324,6 +387,10 @@ def select_tokens(
             q_blocks[i] (int [ceil(S_q / q_block)], whole blocks but a ragged global last
             one; see patterns.topk.check_query_blocks); document_ids are then the whole
             sequence's [B, S].
+        score_dtype: None (the proxies' dtype) or torch.float8_e4m3fn: the products in FP8
+            with fp32 accumulation (quantize_proxies' scaling), on GPUs of compute
+            capability 8.9 or more or under the interpreter. It approximates the proxies'
+            own logits, so near ties may go the other way.
 
     Returns:
         int32 [B, H_p, S, top_k]: each token's kept block indices, ascending, padded at the
@@ -337,6 +404,7 @@ def select_tokens(
     if (q_blocks is None) != (q_block is None):
         raise ValueError("pass q_blocks and q_block together (or neither)")
     _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, q_blocks is not None)
+    _check_score_dtype(score_dtype, q_proxy.device)
     batch, seq_len, heads = q_proxy.shape[:3]
     seq_len_kv = k_proxy.shape[1]
     if q_blocks is not None:
@@ -352,12 +420,15 @@ def select_tokens(
         check_document_ids(document_ids, batch, seq_len_kv, q_proxy.device)
         document_ids = document_ids.to(torch.int32).contiguous()
         starts = _document_starts(document_ids)
+    k_scales = None
+    if score_dtype == FP8:
+        q_proxy, k_proxy, k_scales = quantize_proxies(q_proxy, k_proxy, kv_block)
     selected = torch.empty(batch, heads, seq_len, top_k, dtype=torch.int32, device=q_proxy.device)
     # No token sees more than every block: columns past that are padding.
     kept = min(top_k, math.ceil(seq_len_kv / kv_block))
     selected[..., kept:] = -1
     if batch:
-        _select_tokens(q_proxy, k_proxy, document_ids, starts, q_blocks, selected,
+        _select_tokens(q_proxy, k_proxy, document_ids, starts, q_blocks, k_scales, selected,
                        q_block=q_block or 1, kv_block=kv_block, kept=kept)  # fmt: skip
     return selected
 

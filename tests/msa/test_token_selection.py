@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
+from flash_msa.msa.token_selection import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
 from flash_msa.testing import PTXAS
 
@@ -77,6 +78,65 @@ def test_select_tokens_match_reference(geometry, poisoned):
     assert selected.dtype == torch.int32
     assert selected.shape == (batch, heads, seq_len, top_k)
     assert torch.equal(selected, expected)
+
+
+def _fp8_exact_inputs(batch, seq_len, heads, heads_keys, dim, kv_block, *, seed, device=DEVICE):
+    """Proxies that FP8 scoring quantizes without loss: multiples of 1/8 up to 7/8, each row
+    holding a 7/8 (so a row's factor is 7/8 / 448 = 2^-9), the keys of kv block c scaled by
+    2^(c % 3) (so the blocks' factors differ, by powers of two); every product and sum is then
+    exact in fp32 and the selection is the float64 reference's."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(heads_count):
+        values = torch.randint(-6, 7, (batch, seq_len, heads_count, dim), generator=generator) / 8
+        values[..., 0] = 7 / 8
+        return values
+
+    block_factors = 2.0 ** (torch.arange(seq_len) // kv_block % 3)  # [S]
+    return draw(heads).to(device), (draw(heads_keys) * block_factors[:, None, None]).to(device)
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRIES[0], GEOMETRIES[1], GEOMETRIES[4]], ids=str)
+def test_fp8_scores_match_reference_on_inputs_fp8_holds(geometry, poisoned):
+    """score_dtype FP8 through quantize_proxies: per-row and per-block factors, ragged last
+    blocks, packed heads and documents."""
+    batch, seq_len, heads, heads_keys, dim, kv_block, top_k, bounds = geometry
+    q_proxy, k_proxy = _fp8_exact_inputs(batch, seq_len, heads, heads_keys, dim, kv_block,
+                                         seed=seq_len)  # fmt: skip
+    document_ids = None if bounds is None else _documents(batch, seq_len, bounds)
+    selected = select_tokens(q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
+                             document_ids=document_ids, score_dtype=FP8)  # fmt: skip
+    expected = select_tokens_reference(q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
+                                       document_ids=document_ids)  # fmt: skip
+    assert torch.equal(selected, expected)
+
+
+def test_quantize_proxies_scales_rows_and_blocks():
+    """q8 rows reach 448, k8 * k_scales is k_proxy to e4m3's rounding (3 mantissa bits), and
+    an all-zero block keeps the factor 1."""
+    generator = torch.Generator().manual_seed(1)
+    q_proxy = torch.randn(2, 70, 4, 16, generator=generator)
+    k_proxy = torch.randn(2, 70, 2, 16, generator=generator) * 5
+    k_proxy[:, 32:64] = 0  # block 1 of 32
+    q8, k8, k_scales = quantize_proxies(q_proxy, k_proxy, 32)
+    assert (q8.dtype, k8.dtype, k_scales.shape) == (FP8, FP8, (2, 2, 3))
+    assert torch.equal(q8.float().abs().amax(-1), torch.full((2, 70, 4), 448.0))
+    assert torch.equal(k_scales[:, :, 1], torch.ones(2, 2))
+    factors = k_scales.transpose(1, 2).repeat_interleave(32, dim=1)[:, :70, :, None]
+    block_amax = factors * 448  # each block's largest magnitude
+    error = (k8.float() * factors - k_proxy).abs()
+    assert (error <= block_amax * 2**-4).all()
+
+
+def test_fp8_scores_agree_with_fp32_on_most_choices():
+    """On normal proxies FP8 keeps nearly every choice of fp32 scoring (only near ties differ)."""
+    generator = torch.Generator().manual_seed(2)
+    q_proxy = torch.randn(1, 512, 2, 32, generator=generator).to(DEVICE)
+    k_proxy = torch.randn(1, 512, 1, 32, generator=generator).to(DEVICE)
+    options = dict(top_k=4, kv_block=32)
+    fp8 = select_tokens(q_proxy, k_proxy, score_dtype=FP8, **options)
+    fp32 = select_tokens(q_proxy, k_proxy, **options)
+    assert (fp8 == fp32).float().mean() > 0.95
 
 
 def _padded(rows, top_k):
@@ -190,6 +250,28 @@ def test_select_tokens_on_gpu(geometry, dtype):
     assert torch.equal(selected, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "geometry",
+    [(1, 2000, 4, 1, 128, 128, 16, None), (2, 1500, 4, 2, 128, 64, 16, (700, 701))],
+    ids=str,
+)
+def test_fp8_scores_on_gpu(geometry):
+    """FP8 scoring on Hopper's tensor cores (every autotune config runs) on inputs it holds
+    exactly: the float64 reference's selection."""
+    batch, seq_len, heads, heads_keys, dim, kv_block, top_k, bounds = geometry
+    q_proxy, k_proxy = _fp8_exact_inputs(batch, seq_len, heads, heads_keys, dim, kv_block,
+                                         seed=8)  # fmt: skip
+    document_ids = None if bounds is None else _documents(batch, seq_len, bounds)
+    selected = select_tokens(
+        q_proxy.bfloat16(), k_proxy.bfloat16(), top_k=top_k, kv_block=kv_block,
+        document_ids=document_ids, score_dtype=FP8,
+    )  # fmt: skip
+    expected = select_tokens_reference(q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
+                                       document_ids=document_ids)  # fmt: skip
+    assert torch.equal(selected, expected)
+
+
 # ---- token_selection_layout ------------------------------------------------------------------
 def _layout_by_loops(selected, seq_len, q_block):
     """{(layout, row): {block: mask}} by walking every token's choices."""
@@ -270,6 +352,7 @@ def test_select_tokens_rejects_bad_tensors(change, error, match):
         (dict(document_ids=torch.zeros(2, 63, dtype=torch.int32)), ValueError, r"\[2, 64\]"),
         (dict(document_ids=torch.zeros(2, 64)), TypeError, "int32 or int64"),
         (dict(document_ids=torch.arange(64).flip(0).expand(2, -1)), ValueError, "non-decreasing"),
+        (dict(score_dtype=torch.float16), ValueError, "score_dtype must be None .* got torch.fl"),
     ],
 )
 def test_select_tokens_rejects_bad_options(options, error, match):
@@ -314,7 +397,8 @@ def test_token_selection_layout_rejects_bad_input():
 
 # ---- sm_90 code without a GPU ------------------------------------------------------------
 # Compiles the kernel at MSA's 1M-token sizes (bf16, D_p 128, kv_block 128, top_k 16, 4 proxy
-# heads on one key head) for each [BLOCK_M, warps, stages] of argv[2]; pointers and strides
+# heads on one key head) for each [BLOCK_M, warps, stages, proxies' Triton dtype] of argv[2]
+# (fp8e4nv: FP8 scores, with the blocks' factors); pointers and strides
 # are specialised as divisible by 16, as the launcher does for such tensors (without that
 # the key loads are not pipelined). Prints one JSON report per config.
 SM90_COMPILE = """
@@ -326,12 +410,12 @@ from flash_msa.msa import token_selection
 from flash_msa.testing import assemble_for_sm90
 
 kernel = token_selection._token_selection_kernel
-types = dict(q_proxy="*bf16", k_proxy="*bf16", selected="*i32", documents="*i32",
-             document_starts="*i32", q_blocks="*i32")
-for block_m, warps, stages in json.loads(sys.argv[2]):
+for block_m, warps, stages, scores in json.loads(sys.argv[2]):
+    types = dict(q_proxy=f"*{scores}", k_proxy=f"*{scores}", selected="*i32", documents="*i32",
+                 document_starts="*i32", q_blocks="*i32", k_scales="*fp32")
     constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK=128, PACK=4, TOP_K=16, SLOTS=16,
                       DOT_PRECISION="tf32", HAS_DOCUMENTS=False, BLOCK_M=block_m, Q_BLOCK=64,
-                      HAS_Q_BLOCKS=False)
+                      HAS_Q_BLOCKS=False, SCALED=scores == "fp8e4nv")
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
                  for arg in kernel.arg_names}
     aligned = {(index,): [["tt.divisibility", 16]] for index, arg in enumerate(kernel.arg_names)
@@ -342,25 +426,25 @@ for block_m, warps, stages in json.loads(sys.argv[2]):
     report = assemble_for_sm90(compiled.asm["ptx"], sys.argv[1], kernel.__name__)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(registers=report["registers"], spills=report["spills"],
-                          wgmma="wgmma" in ptx, pipelined="cp.async" in ptx)))
+                          wgmma="wgmma" in ptx, fp8="e4m3" in ptx, pipelined="cp.async" in ptx)))
 """
 
 
 def test_select_tokens_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never reaches GPU code generation: the 128-row tile compiles for
     sm_90 to tensor cores (wgmma), key tiles loaded ahead (cp.async) and no register
-    spills."""
+    spills, in bf16 and with FP8 scores (e4m3 wgmma)."""
     if not os.path.exists(PTXAS):
         pytest.skip("this Triton build bundles no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    configs = json.dumps([[128, 8, 3]])
+    configs = json.dumps([[128, 8, 3, "bf16"], [128, 8, 3, "fp8e4nv"]])
     result = subprocess.run(
         [sys.executable, "-c", SM90_COMPILE, str(tmp_path), configs],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(reports) == 1
+    assert [report["fp8"] for report in reports] == [False, True]
     for report in reports:
         assert report["wgmma"] and report["pipelined"] and report["spills"] == 0, report
