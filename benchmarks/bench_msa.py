@@ -1,7 +1,7 @@
 """One MSA training step (selection, main attention, KL) against dense cuDNN attention and
 FlexAttention on the same selected blocks, on one GPU.
 
-    python benchmarks/bench_msa.py [--seq-lens 32k,128k,1m] [--out DIR]
+    python benchmarks/bench_msa.py [--seq-lens 32k,128k,1m] [--fp8-scores] [--out DIR]
 
 bf16, B=1, H_q=64, H_kv=4, D=128; proxy H_p=4, H_pk=1, D_p=128; top_k 16, q_block 64,
 kv_block 128; causal. Per length and granularity ("token": each query token's blocks;
@@ -9,7 +9,9 @@ kv_block 128; causal. Per length and granularity ("token": each query token's bl
 kl_loss.backward() in one pass) is timed whole and in parts: selection (msa.interface.select),
 main attention (block_sparse_attn_func over the selection, forward + backward) and KL (the
 total minus those two: the KL loss forward + backward and the glue; the KL kernels alone,
-given the main lse, are timed too); records carry a `granularity` key.
+given the main lse, are timed too); records carry a `granularity` key, and a `scores` key
+("bf16", or "fp8": with --fp8-scores each token variant runs again with score_dtype
+float8_e4m3fn).
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
 BlockMask with per-head kv indices [1, H_q, nq, nk] (common.flex_block_mask); where it fails
@@ -49,6 +51,7 @@ from common import (
 from flash_msa import block_sparse_attn_func
 from flash_msa.msa import msa_func, proxy_kl_loss
 from flash_msa.msa.interface import GRANULARITIES, MsaSelection, select
+from flash_msa.msa.token_selection import FP8
 
 HEADS_Q, HEADS_KV, HEADS_PROXY, HEADS_PROXY_KEYS = 64, 4, 4, 1
 PROXY_HEAD_DIM = HEAD_DIM
@@ -130,14 +133,16 @@ def attended_pairs(selection: MsaSelection, seq_len: int, chunk: int = 1 << 22) 
 
 
 def run_msa(
-    seq_len: int, inputs: dict, granularity: str, q_block: int, proxies: str
+    seq_len: int, inputs: dict, granularity: str, q_block: int, proxies: str, scores: str
 ) -> tuple[dict, MsaSelection]:
     """msa_func forward + backward, whole and split; returns the record and the selection.
-    Under granularity "token" q_block is only the main attention's query tile."""
+    Under granularity "token" q_block is only the main attention's query tile; scores "fp8"
+    selects with FP8 scores."""
     leaves = [inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v")]
     q_proxy, k_proxy, q, k, v = leaves
     dout = inputs["dout"]
-    options = dict(top_k=TOP_K, q_block=q_block, kv_block=KV_BLOCK, granularity=granularity)
+    options = dict(top_k=TOP_K, q_block=q_block, kv_block=KV_BLOCK, granularity=granularity,
+                   score_dtype=FP8 if scores == "fp8" else None)  # fmt: skip
     scale = HEAD_DIM**-0.5
 
     def step():
@@ -182,6 +187,7 @@ def run_msa(
         granularity=granularity,
         q_block=q_block,
         proxies=proxies,
+        scores=scores,
         fwd_bwd_ms=round(total["ms"], 4),
         selection_ms=round(selection_ms, 4),
         main_attention_ms=round(main_ms, 4),
@@ -193,8 +199,8 @@ def run_msa(
         peak_gib=round(total["peak_gib"], 3),
     )
     print(
-        f"S={seq_len:>8,} flash_msa {granularity:5s} q{q_block:<3d} {proxies} proxies total "
-        f"{record['fwd_bwd_ms']:9.3f} ms = "
+        f"S={seq_len:>8,} flash_msa {granularity:5s} q{q_block:<3d} {scores} {proxies} proxies "
+        f"total {record['fwd_bwd_ms']:9.3f} ms = "
         f"selection {selection_ms:.3f} + main {main_ms:.3f} "
         f"({record['main_attention_tflops']} TF/s) + KL {record['kl_ms']:.3f} (kernels "
         f"{kl_kernels_ms:.3f}); peak {record['peak_gib']:.2f} GiB",
@@ -342,15 +348,15 @@ def run_flex(seq_len: int, inputs: dict, selection: MsaSelection, granularity: s
 def run_length(
     seq_len: int, device, dense_measured: dict, variants, flex: bool, proxies: list[str]
 ) -> list[dict]:
-    """Dense cuDNN, then per kind of proxies each (granularity, q_block) variant and, with
+    """Dense cuDNN, then per kind of proxies each (granularity, q_block, scores) variant and, with
     flex, FlexAttention on the first variant's selection of each granularity (random
     proxies only)."""
     records = [run_dense(seq_len, device, dense_measured)]
     peers_run = set()
     for kind in proxies:
         inputs = random_inputs(seq_len, device, kind)
-        for granularity, q_block in variants:
-            msa, selection = run_msa(seq_len, inputs, granularity, q_block, kind)
+        for granularity, q_block, scores in variants:
+            msa, selection = run_msa(seq_len, inputs, granularity, q_block, kind, scores)
             free_memory()
             records.append(msa)
             if flex and kind == "random" and granularity not in peers_run:
@@ -385,6 +391,7 @@ def msa_cells(msa: dict, peers: dict) -> list:
         msa["granularity"],
         msa.get("q_block", Q_BLOCK),
         msa.get("proxies", "random"),
+        msa.get("scores", "bf16"),
         f"{msa['fwd_bwd_ms']:.3f}",
         f"{msa['selection_ms']:.3f}",
         f"{msa['main_attention_ms']:.3f}",
@@ -403,7 +410,7 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     for record in records:
         key = (record["impl"], record.get("granularity"))
         peers.setdefault(record["seq_len"], {})[key] = record
-    columns = ["S", "granularity", "q_block", "proxies", "flash_msa ms", "selection ms",
+    columns = ["S", "granularity", "q_block", "proxies", "scores", "flash_msa ms", "selection ms",
                "main attention ms", "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
                "main speed-up vs flex (flex ms / main ms)", "cuDNN dense ms",
                "speed-up vs dense cuDNN (cuDNN ms / flash_msa ms)"]  # fmt: skip
@@ -446,17 +453,22 @@ def main() -> None:
         "--token-q-blocks", default="16", help="query tiles of granularity token, e.g. 16,64"
     )
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    parser.add_argument(
+        "--fp8-scores", action="store_true", help="run each token variant with FP8 scores too"
+    )
     parser.add_argument("--proxies", default="random", help=f"some of {','.join(PROXIES)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    token_scores = ["bf16", "fp8"] if args.fp8_scores else ["bf16"]
     variants = [
-        (granularity, q_block)
+        (granularity, q_block, scores)
         for granularity in args.granularities.split(",")
         for q_block in (
             [int(text) for text in args.token_q_blocks.split(",")]
             if granularity == "token"
             else [Q_BLOCK]
         )
+        for scores in (token_scores if granularity == "token" else ["bf16"])
     ]
     proxies = args.proxies.split(",")
     if set(proxies) - set(PROXIES):

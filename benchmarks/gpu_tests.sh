@@ -22,4 +22,4 @@ digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | c
 # shellcheck disable=SC2068
 python3 -m pytest -q -n 8 -rfE -m "not large_memory" ${paths[@]} 2>&1 | tee -a "$log"
 # shellcheck disable=SC2068
-python3 -m pytest -q -rfE -m large_memory ${paths[@]} 2>&1 | tee -a "$log"
+python3 -m pytest -q -n 0 -rfE -m large_memory ${paths[@]} 2>&1 | tee -a "$log"

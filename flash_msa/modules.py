@@ -11,6 +11,7 @@ from flash_msa import distributed, patterns
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
 from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
+from flash_msa.msa.token_selection import check_score_dtype
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -170,7 +171,8 @@ class MSAAttention(_ProjectedAttention):
     query token (granularity "token", MiniMax's; "block": one choice per query block of
     q_block positions, cheaper and coarser) of its num_heads / num_proxy_heads query heads, and
     the main attention, always causal, runs over those blocks only. q_block None: 16 for
-    "token" (only the main attention's query tile there), 64 for "block".
+    "token" (only the main attention's query tile there), 64 for "block". score_dtype
+    torch.float8_e4m3fn scores the blocks in FP8 (granularity "token"; msa_func's).
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
     projection learns from kl_loss alone (it reads x detached), and kl_loss sends no gradient
@@ -197,6 +199,7 @@ class MSAAttention(_ProjectedAttention):
         q_block: int | None = None,
         kv_block: int = 128,
         granularity: str = "token",
+        score_dtype: torch.dtype | None = None,
         rope_base: float = 10000.0,
         bias: bool = False,
         cp_group=None,
@@ -207,6 +210,11 @@ class MSAAttention(_ProjectedAttention):
         if not isinstance(granularity, str) or granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         q_block = default_q_block(q_block, granularity)
+        check_score_dtype(score_dtype, torch.device("cpu"))  # the GPU's FP8 is checked per call
+        if score_dtype is not None and granularity != "token":
+            raise ValueError(
+                f"score_dtype {score_dtype} applies to granularity 'token', not {granularity!r}"
+            )
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
             proxy_head_dim=proxy_head_dim,
@@ -245,7 +253,7 @@ class MSAAttention(_ProjectedAttention):
         self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads
         self.proxy_head_dim, self.rope_base = proxy_head_dim, rope_base
         self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block
-        self.granularity = granularity
+        self.granularity, self.score_dtype = granularity, score_dtype
         proxy_dim = (num_proxy_heads + num_proxy_kv_heads) * proxy_head_dim
         self.proxy_proj = nn.Linear(embed_dim, proxy_dim, bias=bias, device=device, dtype=dtype)
         self.cp_group = cp_group
@@ -296,7 +304,7 @@ class MSAAttention(_ProjectedAttention):
             out, kl_loss = distributed.msa_func_cp(
                 q_proxy, k_proxy, q, k, v, cp_plan, group=self.cp_group, top_k=self.top_k,
                 q_block=self.q_block, kv_block=self.kv_block, warmup=warmup,
-                granularity=self.granularity,
+                granularity=self.granularity, score_dtype=self.score_dtype,
             )  # fmt: skip
         return self.out_proj(out.reshape(batch, seq_len, -1)), kl_loss
 
@@ -321,4 +329,5 @@ class MSAAttention(_ProjectedAttention):
             kv_block=self.kv_block,
             warmup=warmup,
             granularity=self.granularity,
+            score_dtype=self.score_dtype,
         )

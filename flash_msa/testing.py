@@ -11,6 +11,33 @@ import torch
 import triton
 
 
+def fp8_exact_proxies(
+    batch: int,
+    seq_len: int,
+    heads: int,
+    heads_keys: int,
+    dim: int,
+    kv_block: int,
+    *,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] that FP8 scoring
+    (msa.token_selection.quantize_proxies) holds without loss: multiples of 1/8 up to 7/8,
+    each row holding a 7/8 (so a row's factor is 7/8 / 448 = 2^-9), the keys of kv block c
+    scaled by 2^(c % 3) (so the blocks' factors differ, by powers of two). Every product and
+    sum is then exact in fp32 (and the values in bf16): FP8 scores select as float64 does."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(heads_count):
+        values = torch.randint(-6, 7, (batch, seq_len, heads_count, dim), generator=generator) / 8
+        values[..., 0] = 7 / 8
+        return values
+
+    block_factors = 2.0 ** (torch.arange(seq_len) // kv_block % 3)  # [S]
+    return draw(heads).to(device), (draw(heads_keys) * block_factors[:, None, None]).to(device)
+
+
 def random_qkv(
     batch: int,
     seq_len_q: int,

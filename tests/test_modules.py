@@ -89,6 +89,8 @@ def _grad_norm(parameter: torch.Tensor) -> float:
         (dict(q_block=48), r"q_block must be one of \(16, 32, 64, 128\), got 48"),
         (dict(q_block=64, kv_block=32), "q_block 64 must be <= kv_block 32"),
         (dict(rope_base=0.5), "rope_base must be > 1, got 0.5"),
+        (dict(score_dtype=torch.int8), "score_dtype must be None .* got torch.int8"),
+        (dict(score_dtype=torch.float8_e4m3fn, granularity="block"), "granularity 'token'"),
     ],
 )
 def test_msa_layer_argument_errors(kwargs, match):

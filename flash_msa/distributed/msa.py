@@ -55,7 +55,7 @@ def _over_buffer(layout: BlockLayout, rows: int) -> BlockLayout:
 
 
 def _rank_selection(
-    plan, q_blocks, q_proxy, k_proxy_all, top_k, scale, document_ids, granularity
+    plan, q_blocks, q_proxy, k_proxy_all, top_k, scale, document_ids, granularity, score_dtype
 ) -> MsaSelection:
     """The rank's rows of MSA's selection (no gradient): columns global kv blocks."""
     layout = plan.layout
@@ -66,6 +66,7 @@ def _rank_selection(
             selected = select_tokens(
                 q_proxy, k_proxy_all, top_k=top_k, kv_block=layout.kv_block,
                 document_ids=document_ids, q_blocks=q_blocks, q_block=layout.q_block,
+                score_dtype=score_dtype,
             )  # fmt: skip
             return MsaSelection(
                 *token_selection_layout(
@@ -104,6 +105,7 @@ def msa_func_cp(
     cu_seqlens: torch.Tensor | None = None,
     warmup: bool = False,
     granularity: str = "token",
+    score_dtype: torch.dtype | None = None,
 ):
     """msa_func over a sequence sharded across the ranks of `group`.
 
@@ -114,8 +116,8 @@ def msa_func_cp(
         plan: cp_plan of patterns.causal(S, q_block=q_block, kv_block=kv_block) for the
             group's size ("headtail" balances MSA's scoring, which grows with position);
             for rows of one token (q_block 1) a plan of patterns.causal(S, q_block=1, ...).
-        top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup, granularity:
-            as msa_func (q_block None: 16 for "token", 64 for "block", the plan's).
+        top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup, granularity,
+        score_dtype: as msa_func (q_block None: 16 for "token", 64 for "block", the plan's).
         cu_seqlens: int32 [N + 1], the documents packed in every row of the whole
             sequence (the same on every rank; ends at S): nothing crosses a document.
 
@@ -131,7 +133,7 @@ def msa_func_cp(
     """
     q_block = default_q_block(q_block, granularity)
     check_msa_inputs(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale,
-                     None, granularity)  # fmt: skip
+                     None, granularity, score_dtype)  # fmt: skip
     _check_plan(plan, q_block, kv_block)
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
@@ -154,8 +156,9 @@ def msa_func_cp(
         layout, query_masks = plan.local_layout(rank), None
     else:
         layout, query_masks = _rank_selection(
-            plan, q_blocks, q_proxy, k_proxy_all, top_k, proxy_scale, document_ids, granularity
-        )
+            plan, q_blocks, q_proxy, k_proxy_all, top_k, proxy_scale, document_ids, granularity,
+            score_dtype,
+        )  # fmt: skip
     if cu_seqlens is not None and query_masks is None:  # cut blocks that cross a document
         documents = patterns.causal(
             seq_len, q_block=q_block, kv_block=kv_block, device=q.device, cu_seqlens=cu_seqlens

@@ -11,7 +11,13 @@ from flash_msa import _env, patterns
 from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.kl import proxy_kl_loss
-from flash_msa.msa.token_selection import MAX_MASK_QUERIES, select_tokens, token_selection_layout
+from flash_msa.msa.token_selection import (
+    FP8,
+    MAX_MASK_QUERIES,
+    check_score_dtype,
+    select_tokens,
+    token_selection_layout,
+)
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.ops.triton import MIN_TILE_ROWS
 from flash_msa.ops.triton.configs import largest_power_of_two_dividing
@@ -55,6 +61,7 @@ def check_msa_inputs(
     proxy_softmax_scale,
     cu_seqlens,
     granularity="token",
+    score_dtype=None,
 ) -> None:
     """msa_func's checks of its tensors and options (TypeError / ValueError naming them)."""
     rank = 3 if cu_seqlens is not None else 4
@@ -109,6 +116,12 @@ def check_msa_inputs(
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if not isinstance(granularity, str) or granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_score_dtype(score_dtype, q.device)
+    if score_dtype is not None and granularity != "token":
+        raise ValueError(
+            f"score_dtype {score_dtype} applies to granularity 'token' (select_tokens), not "
+            f"{granularity!r}: pass score_dtype=None"
+        )
     q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
     check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)
@@ -140,13 +153,15 @@ def _token_selection(
     top_k: int,
     q_block: int,
     kv_block: int,
+    fp8_scores: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-token selection as a layout: (row_offsets, col_indices, the transpose's
     row_offsets and col_indices, query_masks, transpose_entries). One op, so that
     torch.compile sees the data-dependent size of the union (nnz) once, as one symbol."""
     selected = select_tokens(
-        q_proxy, k_proxy, top_k=top_k, kv_block=kv_block, document_ids=document_ids
-    )
+        q_proxy, k_proxy, top_k=top_k, kv_block=kv_block, document_ids=document_ids,
+        score_dtype=FP8 if fp8_scores else None,
+    )  # fmt: skip
     layout, query_masks = token_selection_layout(
         selected, seq_len=q_proxy.shape[1], q_block=q_block, kv_block=kv_block, check=False
     )
@@ -160,7 +175,7 @@ def _token_selection(
 
 
 @_token_selection.register_fake
-def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block):
+def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, fp8_scores):
     batch, seq_len, heads = q_proxy.shape[:3]
     nnz = torch.library.get_ctx().new_dynamic_size()
     rows = (math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
@@ -173,10 +188,12 @@ def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block):
     )  # fmt: skip
 
 
-def _token_selection_layout(q_proxy, k_proxy, *, top_k, q_block, kv_block, document_ids):
+def _token_selection_layout(
+    q_proxy, k_proxy, *, top_k, q_block, kv_block, document_ids, score_dtype
+):  # fmt: skip
     """MsaSelection of the per-token selection (the proxy scale leaves the order alone)."""
     row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, entries = _token_selection(
-        q_proxy, k_proxy, document_ids, top_k, q_block, kv_block
+        q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, score_dtype == FP8
     )
     batch, seq_len, heads = q_proxy.shape[:3]
     layout = BlockLayout(
@@ -198,6 +215,7 @@ def select(
     warmup: bool,
     document_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    score_dtype: torch.dtype | None = None,
 ) -> MsaSelection:
     """msa_func's selection (no gradient) of [B, S, ...] proxy tensors, checked by the caller."""
     seq_len, device = q_proxy.shape[1], q_proxy.device
@@ -210,7 +228,7 @@ def select(
         elif granularity == "token":  # it never picks a block of another document
             return _token_selection_layout(
                 q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
-                document_ids=document_ids,
+                document_ids=document_ids, score_dtype=score_dtype,
             )  # fmt: skip
         else:
             scores = block_scores(
@@ -245,6 +263,7 @@ def msa_func(
     cu_seqlens: torch.Tensor | None = None,
     warmup: bool = False,
     granularity: str = "token",
+    score_dtype: torch.dtype | None = None,
     return_selection: bool = False,
 ):
     """MiniMax Sparse Attention, causal: the proxy picks key blocks, the main attention runs
@@ -272,6 +291,8 @@ def msa_func(
         warmup: attend over every causal block (dense) while the proxy trains on the full
             causal context.
         granularity: "token" or "block", as above.
+        score_dtype: granularity "token" only: None (the proxies' dtype) or
+            torch.float8_e4m3fn, FP8 scores (select_tokens'; sm_89 and up).
         return_selection: also return the MsaSelection the main attention ran over.
 
     Returns:
@@ -290,7 +311,7 @@ def msa_func(
     q_block = default_q_block(q_block, granularity)
     check_msa_inputs(
         q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens,
-        granularity,
+        granularity, score_dtype,
     )  # fmt: skip
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
@@ -308,7 +329,7 @@ def msa_func(
     selection = select(
         q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
         proxy_softmax_scale=proxy_scale, granularity=granularity, warmup=warmup,
-        document_ids=document_ids, cu_seqlens=cu_seqlens,
+        document_ids=document_ids, cu_seqlens=cu_seqlens, score_dtype=score_dtype,
     )  # fmt: skip
     layout, query_masks = selection
     out, lse = block_sparse_attn_func(

@@ -289,7 +289,7 @@ def quantize_proxies(
     return q8, k8, k_scales.transpose(1, 2).contiguous()
 
 
-def _check_score_dtype(score_dtype, device: torch.device) -> None:
+def check_score_dtype(score_dtype, device: torch.device) -> None:
     """score_dtype is None or FP8, and FP8 runs here (tensor cores of sm_89 and up, or the
     interpreter)."""
     if score_dtype not in (None, FP8):
@@ -346,7 +346,8 @@ def _select_tokens(
         stride_doc_b=0 if document_ids is None else document_ids.stride(0),
         q_blocks=selected if q_blocks is None else q_blocks, seq_len=seq_len,
         proxy_group=group, Q_BLOCK=q_block, HAS_Q_BLOCKS=q_blocks is not None, HEAD_DIM=dim,
-        HEAD_DIM_PAD=_env.head_dim_pad(dim), KV_BLOCK=kv_block, PACK=pack, TOP_K=kept,
+        HEAD_DIM_PAD=max(_env.head_dim_pad(dim), 32 if k_scales is not None else 16),  # FP8 dots
+        KV_BLOCK=kv_block, PACK=pack, TOP_K=kept,
         SLOTS=triton.next_power_of_2(kept),
         DOT_PRECISION=_env.dot_precision(q_proxy.dtype), HAS_DOCUMENTS=document_ids is not None,
         SCALED=k_scales is not None,
@@ -404,7 +405,7 @@ def select_tokens(
     if (q_blocks is None) != (q_block is None):
         raise ValueError("pass q_blocks and q_block together (or neither)")
     _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, q_blocks is not None)
-    _check_score_dtype(score_dtype, q_proxy.device)
+    check_score_dtype(score_dtype, q_proxy.device)
     batch, seq_len, heads = q_proxy.shape[:3]
     seq_len_kv = k_proxy.shape[1]
     if q_blocks is not None:

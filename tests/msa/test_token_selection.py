@@ -13,7 +13,7 @@ import torch
 from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
 from flash_msa.msa.token_selection import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
-from flash_msa.testing import PTXAS
+from flash_msa.testing import PTXAS, fp8_exact_proxies
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 POISON = 0x5A5A5A5A  # an int32 that is no block index and not -1
@@ -80,29 +80,13 @@ def test_select_tokens_match_reference(geometry, poisoned):
     assert torch.equal(selected, expected)
 
 
-def _fp8_exact_inputs(batch, seq_len, heads, heads_keys, dim, kv_block, *, seed, device=DEVICE):
-    """Proxies that FP8 scoring quantizes without loss: multiples of 1/8 up to 7/8, each row
-    holding a 7/8 (so a row's factor is 7/8 / 448 = 2^-9), the keys of kv block c scaled by
-    2^(c % 3) (so the blocks' factors differ, by powers of two); every product and sum is then
-    exact in fp32 and the selection is the float64 reference's."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def draw(heads_count):
-        values = torch.randint(-6, 7, (batch, seq_len, heads_count, dim), generator=generator) / 8
-        values[..., 0] = 7 / 8
-        return values
-
-    block_factors = 2.0 ** (torch.arange(seq_len) // kv_block % 3)  # [S]
-    return draw(heads).to(device), (draw(heads_keys) * block_factors[:, None, None]).to(device)
-
-
 @pytest.mark.parametrize("geometry", [GEOMETRIES[0], GEOMETRIES[1], GEOMETRIES[4]], ids=str)
 def test_fp8_scores_match_reference_on_inputs_fp8_holds(geometry, poisoned):
     """score_dtype FP8 through quantize_proxies: per-row and per-block factors, ragged last
     blocks, packed heads and documents."""
     batch, seq_len, heads, heads_keys, dim, kv_block, top_k, bounds = geometry
-    q_proxy, k_proxy = _fp8_exact_inputs(batch, seq_len, heads, heads_keys, dim, kv_block,
-                                         seed=seq_len)  # fmt: skip
+    q_proxy, k_proxy = fp8_exact_proxies(batch, seq_len, heads, heads_keys, dim, kv_block,
+                                         seed=seq_len, device=DEVICE)  # fmt: skip
     document_ids = None if bounds is None else _documents(batch, seq_len, bounds)
     selected = select_tokens(q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
                              document_ids=document_ids, score_dtype=FP8)  # fmt: skip
@@ -260,8 +244,8 @@ def test_fp8_scores_on_gpu(geometry):
     """FP8 scoring on Hopper's tensor cores (every autotune config runs) on inputs it holds
     exactly: the float64 reference's selection."""
     batch, seq_len, heads, heads_keys, dim, kv_block, top_k, bounds = geometry
-    q_proxy, k_proxy = _fp8_exact_inputs(batch, seq_len, heads, heads_keys, dim, kv_block,
-                                         seed=8)  # fmt: skip
+    q_proxy, k_proxy = fp8_exact_proxies(batch, seq_len, heads, heads_keys, dim, kv_block,
+                                         seed=8, device=DEVICE)  # fmt: skip
     document_ids = None if bounds is None else _documents(batch, seq_len, bounds)
     selected = select_tokens(
         q_proxy.bfloat16(), k_proxy.bfloat16(), top_k=top_k, kv_block=kv_block,
