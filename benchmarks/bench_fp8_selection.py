@@ -5,8 +5,9 @@
 bench_msa's proxies (H_p 4, H_pk 1, D_p 128, top_k 16, kv_block 128), "random" and "local".
 select_tokens is timed in bf16 and with score_dtype float8_e4m3fn (its quantization of the
 proxies included, and timed alone); agreement is the share of the bf16 selection's
-(token, proxy head, block) choices the FP8 selection also makes. Writes DIR/fp8_selection.json
-and .md (DIR defaults to benchmarks/results/<gpu>/).
+(token, proxy head, block) choices the FP8 selection also makes.
+
+Writes DIR/fp8_selection.json and .md (DIR defaults to benchmarks/results/<gpu>/).
 """
 
 from __future__ import annotations
