@@ -34,7 +34,6 @@ from flash_msa.ops.triton.common import query_mask_arguments, strides
 from flash_msa.patterns.topk import check_query_blocks
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
-DK_PROXY_TOKENS = 32  # tokens a dk_proxy step gathers, where each query block is one token
 
 
 @triton.jit
@@ -256,16 +255,16 @@ def _kl_dk_proxy_kernel(
     layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
+    GROUP_PAD: tl.constexpr, ENTRIES: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
-    key head, walks the query blocks that selected the kv block (query blocks of one token
-    TOKENS at a time, their rows gathered into one tile); writes d kl_loss / d k_proxy
-    [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as in
-    _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned with
-    t_col_indices)."""
+    key head, walks the query blocks that selected the kv block, ENTRIES of them at a time,
+    their rows gathered into one [ENTRIES * Q_BLOCK, KV_BLOCK] tile; writes d kl_loss /
+    d k_proxy [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as
+    in _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned
+    with t_col_indices)."""
     block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy_keys
     key_head = tl.program_id(1) % heads_proxy_keys
@@ -287,24 +286,21 @@ def _kl_dk_proxy_kernel(
         layout_row = batch * layout_batch_stride + head // heads_per_layout
         column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
         first, last = tl.load(column), tl.load(column + 1)
-        STEP: tl.constexpr = TOKENS if Q_BLOCK == 1 else 1
-        for entry in range(first, last, STEP):
-            if Q_BLOCK == 1:  # TOKENS entries, a token each
-                entries = entry + tl.arange(0, TOKENS)
-                live = entries < last
-                rows = tl.load(t_col_indices + entries, mask=live, other=0)  # [M]
-                positions = rows
-                if HAS_Q_BLOCKS:
-                    positions = tl.load(q_blocks + rows, mask=live, other=0)
-                visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
-                visible &= live[:, None]
-            else:
-                q_block = tl.load(t_col_indices + entry)
-                rows = q_block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
-                positions = _positions(q_blocks, q_block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
-                visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
-                if HAS_QUERY_MASKS:
-                    visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
+        slots = tl.arange(0, ENTRIES * Q_BLOCK)  # [M]: rows of the gathered tile
+        offsets = slots % Q_BLOCK  # [M]: each row's offset in its query block
+        for entry in range(first, last, ENTRIES):
+            entries = entry + slots // Q_BLOCK  # [M]
+            live = entries < last
+            q_block = tl.load(t_col_indices + entries, mask=live, other=0)  # [M]
+            rows = q_block * Q_BLOCK + offsets  # [M]
+            positions = rows
+            if HAS_Q_BLOCKS:
+                positions = tl.load(q_blocks + q_block, mask=live, other=0) * Q_BLOCK + offsets
+            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+            visible &= live[:, None]
+            if HAS_QUERY_MASKS:
+                words = tl.load(query_masks + entries, mask=live, other=0)  # [M]
+                visible &= (((words >> offsets.to(tl.int64)) & 1) != 0)[:, None]
             qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             teacher = _teacher(
@@ -314,7 +310,10 @@ def _kl_dk_proxy_kernel(
             )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
             lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
-            grad_logits = (tl.exp(logits - lse_p[:, None]) - teacher) * coefficient  # [M, N]
+            # Rows of a gathered tile past the column's end, and rows that see no key (lse
+            # -inf), read no key: their student is 0, not exp(-inf - -inf).
+            student = tl.where(visible, tl.exp(logits - lse_p[:, None]), 0.0)
+            grad_logits = (student - teacher) * coefficient  # [M, N]
             grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
                             input_precision=DOT_PRECISION)  # fmt: skip
     dims = tl.arange(0, PROXY_DIM_PAD)
@@ -324,13 +323,19 @@ def _kl_dk_proxy_kernel(
              mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
 
 
+def dk_proxy_entries(q_block: int) -> int:
+    """Query blocks a dk_proxy step gathers into one tile: 32 tokens for rows of one token,
+    else 64 rows."""
+    return 32 if q_block == 1 else max(1, 64 // q_block)
+
+
 def num_warps(kernel: str, q_block: int) -> int:
     """Warps of a KL program ("rows" or "dk_proxy"), the faster of 4 and 8 on an H200 at 128K
-    tokens (docs/performance.md): rows of one token take 8, other rows 4; dk_proxy 8 for query
-    blocks of 64 or more, else 4."""
+    tokens (docs/performance.md): rows of one token take 8, other rows 4; dk_proxy 8 for
+    gathered tiles of 64 rows or more, else 4."""
     if kernel == "rows":
         return 8 if q_block == 1 else 4
-    return 8 if q_block >= 64 else 4
+    return 8 if dk_proxy_entries(q_block) * q_block >= 64 else 4
 
 
 def _kernel_arguments(
@@ -457,7 +462,8 @@ def _kl_backward(
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     grad_k_proxy = torch.empty_like(k_proxy)
     _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
-        TOKENS=DK_PROXY_TOKENS, t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
+        ENTRIES=dk_proxy_entries(layout.q_block), t_row_offsets=t_row_offsets,
+        t_col_indices=t_col_indices,
         lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
         heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
         **query_mask_arguments(masks, "csc", lse), num_warps=num_warps("dk_proxy", layout.q_block),

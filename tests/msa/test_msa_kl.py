@@ -239,7 +239,7 @@ sizes = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, PROXY_DIM=128, PROXY_DIM_PAD=128, K
 for name, kernel, options in [
     ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=1, HAS_QUERY_MASKS=False, GRAD=True)),
     ("dk_proxy", kl._kl_dk_proxy_kernel,
-     dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, TOKENS=kl.DK_PROXY_TOKENS)),
+     dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, ENTRIES=kl.dk_proxy_entries(16))),
 ]:
     warps = kl.num_warps(name, options["Q_BLOCK"])
     report = compile_for_sm90(kernel, dict(sizes, **options), types, warps, 1, sys.argv[1])
@@ -250,7 +250,8 @@ for name, kernel, options in [
 def test_kl_kernels_compile_for_hopper(tmp_path):
     """The interpreter never reaches GPU code generation: compile the per-token KL kernels
     for sm_90 (bf16, D = D_p = 128) at the warps they launch with (rows of one token: the
-    broadcast-sum student; dk_proxy's 16-row tiles on tensor cores)."""
+    broadcast-sum student; dk_proxy's 16-row query blocks gathered four to a tile, on
+    tensor cores)."""
     if not os.path.exists(PTXAS):
         pytest.skip("this Triton build bundles no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
