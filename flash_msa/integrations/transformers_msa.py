@@ -26,10 +26,11 @@ v_proj) a proxy projection and runs its attention on flash_msa.msa_func:
   state after conversion) attends over the selected blocks.
 
 The settings (top_k, num_proxy_heads, proxy_head_dim, q_block, kv_block, granularity,
-rope_base and the warm-up flag) live in the model config's `flash_msa_msa` entry and the
-proxy weights in the state dict, so save_pretrained writes both; load_msa_model(path) builds
-the model with its proxy projections before from_pretrained fills them in, and the loaded
-model computes the same logits. A plain from_pretrained drops the proxy weights.
+score_dtype (None or "float8_e4m3fn"), rope_base and the warm-up flag) live in the model
+config's `flash_msa_msa` entry and the proxy weights in the state dict, so save_pretrained
+writes both; load_msa_model(path) builds the model with its proxy projections before
+from_pretrained fills them in, and the loaded model computes the same logits. A plain
+from_pretrained drops the proxy weights.
 
 Packed documents (position_ids that restart, or DataCollatorWithFlattening's cu_seq_lens_q)
 become msa_func's cu_seqlens; a batch of several rows holding documents runs as one packed
@@ -61,6 +62,7 @@ from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
 from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
+from flash_msa.msa.token_selection import FP8
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
@@ -74,10 +76,12 @@ SETTINGS = (
     "q_block",
     "kv_block",
     "granularity",
+    "score_dtype",
     "rope_base",
     "warmup",
 )
 DEFAULT_ROPE_BASE = 10000.0
+FP8_NAME = "float8_e4m3fn"  # score_dtype FP8 as the config stores it (JSON holds no dtype)
 # What each converted attention layer carries between its pre-hook, its attention and
 # collect_kl_loss (plain attributes: never saved).
 _HIDDEN_STATES = "_msa_hidden_states"
@@ -100,6 +104,13 @@ def _rope_base(config) -> float:
     parameters = getattr(config, "rope_parameters", None) or {}
     base = parameters.get("rope_theta", getattr(config, "rope_theta", None))
     return DEFAULT_ROPE_BASE if base is None else float(base)
+
+
+def _score_dtype_name(score_dtype) -> str | None:
+    """score_dtype as the config stores it."""
+    if score_dtype not in (None, FP8):
+        raise ValueError(f"score_dtype must be None or torch.float8_e4m3fn, got {score_dtype!r}")
+    return None if score_dtype is None else FP8_NAME
 
 
 def _settings(config) -> dict:
@@ -143,6 +154,15 @@ def _check_settings(settings: dict) -> None:
         raise ValueError(
             f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got "
             f"{settings['q_block']}"
+        )
+    if settings["score_dtype"] not in (None, FP8_NAME):
+        raise ValueError(
+            f"score_dtype must be None or {FP8_NAME!r}, got {settings['score_dtype']!r}"
+        )
+    if settings["score_dtype"] is not None and settings["granularity"] != "token":
+        raise ValueError(
+            f"score_dtype {settings['score_dtype']!r} applies to granularity 'token', not "
+            f"{settings['granularity']!r}"
         )
     rope_base = settings["rope_base"]
     if not isinstance(rope_base, (int, float)) or isinstance(rope_base, bool) or rope_base <= 1:
@@ -227,6 +247,7 @@ def convert_to_msa(
     q_block: int | None = None,
     kv_block: int = 128,
     granularity: str = "token",
+    score_dtype: torch.dtype | None = None,
 ):
     """Give every attention layer of a loaded transformers model a proxy projection and run
     its attention on msa_func (in place; the module docstring has the details).
@@ -247,6 +268,7 @@ def convert_to_msa(
             default for the granularity: 16 for "token", 64 for "block").
         granularity: msa_func's: "token" (each token's own blocks, MiniMax's) or "block"
             (one choice per query block, cheaper).
+        score_dtype: msa_func's: None, or torch.float8_e4m3fn for FP8 selection scores.
 
     Returns:
         The model, converted.
@@ -268,7 +290,7 @@ def convert_to_msa(
     settings = dict(
         top_k=top_k, num_proxy_heads=num_proxy_heads, proxy_head_dim=proxy_head_dim,
         q_block=default_q_block(q_block, granularity), kv_block=kv_block,
-        granularity=granularity,
+        granularity=granularity, score_dtype=_score_dtype_name(score_dtype),
         rope_base=_rope_base(model.config), warmup=False,
     )  # fmt: skip
     _attach(model, settings)
@@ -496,6 +518,7 @@ def attention_forward(
         *tensors, top_k=settings["top_k"], q_block=settings["q_block"],
         kv_block=settings["kv_block"], softmax_scale=scaling, cu_seqlens=cu_seqlens,
         warmup=settings["warmup"], granularity=settings["granularity"],
+        score_dtype=None if settings["score_dtype"] is None else FP8,
     )  # fmt: skip
     setattr(module, _KL_LOSS, kl_loss)
     return out.view(batch, seq_len, *out.shape[-2:]), None

@@ -4,6 +4,7 @@ own SDPA attention and the eager msa_reference."""
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from flash_msa.integrations import transformers_msa as msa_hf  # noqa: E402
-from flash_msa.msa import msa_reference  # noqa: E402
+from flash_msa.msa import msa_func, msa_reference  # noqa: E402
 from flash_msa.rotary import apply_rotary, rotary_tables  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -205,6 +206,22 @@ def test_save_and_load_round_trip(tmp_path):
         msa_hf.load_msa_model(tmp_path / "unconverted")
 
 
+def test_fp8_scores_reach_msa_func_and_survive_saving(tmp_path):
+    model = msa_hf.convert_to_msa(tiny_model(), top_k=2, score_dtype=torch.float8_e4m3fn, **MSA)
+    assert model.config.flash_msa_msa["score_dtype"] == "float8_e4m3fn"
+    calls = []
+
+    def recording(*tensors, **options):
+        calls.append(options["score_dtype"])
+        return msa_func(*tensors, **options)
+
+    with mock.patch.object(msa_hf, "msa_func", recording):
+        assert logits(model, tokens(1, 64)).isfinite().all()
+    assert calls == [torch.float8_e4m3fn] * model.config.num_hidden_layers
+    model.save_pretrained(tmp_path)
+    assert msa_hf.load_msa_model(tmp_path).config.flash_msa_msa == model.config.flash_msa_msa
+
+
 @pytest.mark.parametrize(
     "options, error, match",
     [
@@ -214,6 +231,9 @@ def test_save_and_load_round_trip(tmp_path):
         ({"top_k": 0}, ValueError, "top_k must be a positive int"),
         ({"q_block": 64, "kv_block": 32}, ValueError, "q_block 64 must be <= kv_block 32"),
         ({"kv_block": 48}, ValueError, "kv_block"),
+        ({"score_dtype": torch.float16}, ValueError, "score_dtype must be None"),
+        ({"score_dtype": torch.float8_e4m3fn, "granularity": "block"}, ValueError,
+         "applies to granularity 'token'"),
     ],
 )
 def test_bad_settings_are_refused(options, error, match):
