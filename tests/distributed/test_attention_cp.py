@@ -196,14 +196,16 @@ MSA_CASES = {"msa": dict(warmup=False), "msa warm-up": dict(warmup=True),
              "msa documents": dict(warmup=False, documents=True),
              "msa block documents": dict(warmup=False, documents=True,
                                          granularity="block"),
-             "msa rows of one token": dict(warmup=False, documents=True, q_block=1)}  # fmt: skip
+             "msa rows of one token": dict(warmup=False, documents=True, q_block=1),
+             "msa fp8 scores": dict(warmup=False, score_dtype=torch.float8_e4m3fn)}  # fmt: skip
 
 
 def _check_msa_case(name, rank, world_size):
     """msa_func_cp's shards of out, the KL and every gradient against msa_func's (float32,
     Triton interpreter; selections are equal: the scores are computed alike), per token
     unless the case says granularity "block"; rows of one token (q_block 1) with the 16 query
-    heads of one proxy head a tile needs."""
+    heads of one proxy head a tile needs; FP8 scores quantize the rank's query rows and the
+    gathered keys as the whole sequence's."""
     options = dict(MSA_CASES[name])
     cu_seqlens = None
     if options.pop("documents", False):
@@ -247,11 +249,12 @@ def _check_msa_case(name, rank, world_size):
 
 
 # Every world size runs every float64 case; the Triton interpreter's cases (minutes on two
-# cores) run on 2 ranks, but MSA with documents, which runs on 3.
+# cores) run on 2 ranks, but MSA with documents and with FP8 scores, which run on 3.
 FLOAT64 = [name for name, case in CASES.items() if case[-1] == "torch"]
+ON_THREE_RANKS = ("msa documents", "msa fp8 scores")
 CASES_OF_WORLD = {
-    2: [*CASES, *(name for name in MSA_CASES if name != "msa documents")],
-    3: [*FLOAT64, "msa documents"],
+    2: [*CASES, *(name for name in MSA_CASES if name not in ON_THREE_RANKS)],
+    3: [*FLOAT64, *ON_THREE_RANKS],
     4: FLOAT64,
 }
 
