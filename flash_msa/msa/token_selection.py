@@ -201,15 +201,13 @@ def _token_selection_kernel(
 
 def _configs() -> list[triton.Config]:
     """BLOCK_M (rows of a program), warps and stages; one under the interpreter, which cannot
-    time them. Compiled for sm_90 (bf16 or FP8, D_p 128, kv_block 128, top_k 16) none
-    spills, but 128 rows on 4 warps reach 255 registers (and spill with documents): 8 warps
-    from 128 rows. 256 rows (214 registers at 8 warps, 128 at 16) load each key tile for
-    twice the tokens."""
+    time them. Compiled for sm_90 (bf16, D_p 128, kv_block 128, top_k 16) none spills, but
+    128 rows on 4 warps reach 255 registers (and spill with documents): 8 warps only."""
     if _env.interpreting():
         return [triton.Config({"BLOCK_M": 128}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_M": rows}, num_warps=warps, num_stages=stages)
-        for rows, warps in ((64, 4), (64, 8), (128, 8), (256, 8), (256, 16))
+        for rows, warps in ((64, 4), (64, 8), (128, 8))
         for stages in (2, 3)
     ]
 
