@@ -78,6 +78,7 @@ def test_warmup_equals_sdpa(kind):
         top_k=2,
         **MSA,
         granularity="token",
+        score_dtype=None,
         rope_base=model.config.rope_parameters["rope_theta"],
         warmup=True,
     )
