@@ -210,11 +210,7 @@ class MSAAttention(_ProjectedAttention):
         if not isinstance(granularity, str) or granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         q_block = default_q_block(q_block, granularity)
-        check_score_dtype(score_dtype, torch.device("cpu"))  # the GPU's FP8 is checked per call
-        if score_dtype is not None and granularity != "token":
-            raise ValueError(
-                f"score_dtype {score_dtype} applies to granularity 'token', not {granularity!r}"
-            )
+        check_score_dtype(score_dtype, torch.device("cpu"), granularity)  # the GPU: per call
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
             proxy_head_dim=proxy_head_dim,

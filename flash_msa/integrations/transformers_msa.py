@@ -62,7 +62,7 @@ from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
 from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
-from flash_msa.msa.token_selection import FP8
+from flash_msa.msa.token_selection import FP8, check_score_dtype
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
@@ -81,7 +81,8 @@ SETTINGS = (
     "warmup",
 )
 DEFAULT_ROPE_BASE = 10000.0
-FP8_NAME = "float8_e4m3fn"  # score_dtype FP8 as the config stores it (JSON holds no dtype)
+# score_dtype as the config stores it (JSON holds no dtype) -> the dtype
+SCORE_DTYPES = {None: None, "float8_e4m3fn": FP8}
 # What each converted attention layer carries between its pre-hook, its attention and
 # collect_kl_loss (plain attributes: never saved).
 _HIDDEN_STATES = "_msa_hidden_states"
@@ -106,11 +107,10 @@ def _rope_base(config) -> float:
     return DEFAULT_ROPE_BASE if base is None else float(base)
 
 
-def _score_dtype_name(score_dtype) -> str | None:
-    """score_dtype as the config stores it."""
-    if score_dtype not in (None, FP8):
-        raise ValueError(f"score_dtype must be None or torch.float8_e4m3fn, got {score_dtype!r}")
-    return None if score_dtype is None else FP8_NAME
+def _score_dtype_name(score_dtype, granularity: str) -> str | None:
+    """score_dtype (checked) as the config stores it."""
+    check_score_dtype(score_dtype, torch.device("cpu"), granularity)
+    return {dtype: name for name, dtype in SCORE_DTYPES.items()}[score_dtype]
 
 
 def _settings(config) -> dict:
@@ -155,15 +155,14 @@ def _check_settings(settings: dict) -> None:
             f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got "
             f"{settings['q_block']}"
         )
-    if settings["score_dtype"] not in (None, FP8_NAME):
+    if settings["score_dtype"] not in SCORE_DTYPES:
         raise ValueError(
-            f"score_dtype must be None or {FP8_NAME!r}, got {settings['score_dtype']!r}"
+            f"score_dtype must be None or one of {list(SCORE_DTYPES)[1:]}, got "
+            f"{settings['score_dtype']!r}"
         )
-    if settings["score_dtype"] is not None and settings["granularity"] != "token":
-        raise ValueError(
-            f"score_dtype {settings['score_dtype']!r} applies to granularity 'token', not "
-            f"{settings['granularity']!r}"
-        )
+    check_score_dtype(
+        SCORE_DTYPES[settings["score_dtype"]], torch.device("cpu"), settings["granularity"]
+    )
     rope_base = settings["rope_base"]
     if not isinstance(rope_base, (int, float)) or isinstance(rope_base, bool) or rope_base <= 1:
         raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
@@ -290,7 +289,7 @@ def convert_to_msa(
     settings = dict(
         top_k=top_k, num_proxy_heads=num_proxy_heads, proxy_head_dim=proxy_head_dim,
         q_block=default_q_block(q_block, granularity), kv_block=kv_block,
-        granularity=granularity, score_dtype=_score_dtype_name(score_dtype),
+        granularity=granularity, score_dtype=_score_dtype_name(score_dtype, granularity),
         rope_base=_rope_base(model.config), warmup=False,
     )  # fmt: skip
     _attach(model, settings)
@@ -518,7 +517,7 @@ def attention_forward(
         *tensors, top_k=settings["top_k"], q_block=settings["q_block"],
         kv_block=settings["kv_block"], softmax_scale=scaling, cu_seqlens=cu_seqlens,
         warmup=settings["warmup"], granularity=settings["granularity"],
-        score_dtype=None if settings["score_dtype"] is None else FP8,
+        score_dtype=SCORE_DTYPES[settings["score_dtype"]],
     )  # fmt: skip
     setattr(module, _KL_LOSS, kl_loss)
     return out.view(batch, seq_len, *out.shape[-2:]), None

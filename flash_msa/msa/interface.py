@@ -116,12 +116,7 @@ def check_msa_inputs(
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if not isinstance(granularity, str) or granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    check_score_dtype(score_dtype, q.device)
-    if score_dtype is not None and granularity != "token":
-        raise ValueError(
-            f"score_dtype {score_dtype} applies to granularity 'token' (select_tokens), not "
-            f"{granularity!r}: pass score_dtype=None"
-        )
+    check_score_dtype(score_dtype, q.device, granularity)
     q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
     check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)

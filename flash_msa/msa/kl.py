@@ -57,16 +57,6 @@ def _selected(query_masks, entry, Q_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS: tl.constexpr):
-    """[M] lse of the proxy softmax of rows; with query masks a row may see no key: its
-    -inf lse reads as +inf so that exp(z - lse) is 0 there, not NaN."""
-    lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)
-    if HAS_QUERY_MASKS:
-        lse_p = tl.where(lse_p == float("-inf"), float("inf"), lse_p)
-    return lse_p
-
-
-@triton.jit
 def _positions(q_blocks, block, rows, Q_BLOCK: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr):
     """[Q_BLOCK] global positions of local query block `block` (rows [Q_BLOCK], its rows of
     q_proxy, q and lse): rows themselves without q_blocks."""
@@ -309,9 +299,9 @@ def _kl_dk_proxy_kernel(
                 DOT_PRECISION,
             )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
-            lse_p = _student_lse(lse_proxy, row_stats, rows, query_len, HAS_QUERY_MASKS)
+            lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)  # [M]
             # Rows of a gathered tile past the column's end, and rows that see no key (lse
-            # -inf), read no key: their student is 0, not exp(-inf - -inf).
+            # -inf, with query masks), read no key: their student is 0, not exp(-inf - -inf).
             student = tl.where(visible, tl.exp(logits - lse_p[:, None]), 0.0)
             grad_logits = (student - teacher) * coefficient  # [M, N]
             grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,

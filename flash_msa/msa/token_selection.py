@@ -280,8 +280,7 @@ def quantize_proxies(
     batch, seq_len, heads_keys, _ = k_proxy.shape
     num_kv_blocks = math.ceil(seq_len / kv_block)
     key_amax = k_proxy.abs().amax(-1).float()  # [B, S, H_pk]
-    padded = key_amax.new_zeros(batch, num_kv_blocks * kv_block, heads_keys)
-    padded[:, :seq_len] = key_amax
+    padded = torch.nn.functional.pad(key_amax, (0, 0, 0, num_kv_blocks * kv_block - seq_len))
     block_amax = padded.view(batch, num_kv_blocks, kv_block, heads_keys).amax(2)
     k_scales = torch.where(block_amax > 0, block_amax / largest, 1.0)  # [B, blocks, H_pk]
     key_scales = k_scales.repeat_interleave(kv_block, dim=1)[:, :seq_len, :, None]
@@ -289,13 +288,19 @@ def quantize_proxies(
     return q8, k8, k_scales.transpose(1, 2).contiguous()
 
 
-def check_score_dtype(score_dtype, device: torch.device) -> None:
-    """score_dtype is None or FP8, and FP8 runs here (tensor cores of sm_89 and up, or the
-    interpreter)."""
+def check_score_dtype(score_dtype, device: torch.device, granularity: str = "token") -> None:
+    """score_dtype is None or FP8; FP8 scores per-token selections (granularity "token") and
+    runs on device (tensor cores of sm_89 and up, or the interpreter; any CPU device passes
+    before a call)."""
     if score_dtype not in (None, FP8):
         raise ValueError(
             f"score_dtype must be None (the proxies' dtype) or torch.float8_e4m3fn, got "
             f"{score_dtype!r}"
+        )
+    if score_dtype is not None and granularity != "token":
+        raise ValueError(
+            f"score_dtype {score_dtype} applies to granularity 'token' (select_tokens), not "
+            f"{granularity!r}: pass score_dtype=None"
         )
     capability = _env.capability(device)
     if score_dtype == FP8 and capability is not None and capability < (8, 9):
