@@ -2,7 +2,9 @@
 
 The forward is warp-specialised over 128 x 128 blocks (forward.py): full blocks take no mask
 work, blocks cut by the causal diagonal, a window edge, a document boundary or a ragged end
-are masked in registers. The backward is the Triton backend's (deterministic: no atomics).
+are masked in registers. The backward (backward.py) computes dK and dV over the transposed
+layout in Gluon; dQ comes from the Triton dQ kernel (deterministic) or, with
+deterministic=False, from atomics beside dK and dV.
 It takes causal, window_size, documents and any sequence lengths; the registry passes what
 it refuses (dropout, per-token query masks, and what _check names) to the next backend.
 """
@@ -10,9 +12,9 @@ it refuses (dropout, per-token query masks, and what _check names) to the next b
 import torch
 
 from flash_msa import _env
+from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import BLOCK_M, HEAD_DIMS, attention_forward, padded_length
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
-from flash_msa.ops.triton import attention_backward
 
 
 def _forward(
@@ -24,6 +26,17 @@ def _forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=softmax_scale,
         layout_batch=layout.layout_batch, causal=causal, window_size=window_size,
         document_ids=document_ids,
+    )  # fmt: skip
+
+
+def _backward(
+    grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
+    deterministic, **without_dropout,
+):  # fmt: skip
+    """The registry's backward; as _forward."""
+    return backward.attention_backward(
+        grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, document_ids=document_ids, deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -42,7 +55,7 @@ def _check(call: AttentionCall) -> Refusal | None:
 BACKEND = Backend(
     name="gluon",
     forward=_forward,
-    backward=attention_backward,
+    backward=_backward,
     speed={"cuda": 20},
     devices=("cuda",),
     min_capability=(9, 0),

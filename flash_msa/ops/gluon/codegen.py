@@ -80,13 +80,9 @@ def compile_forward(
     stores, "shared": bytes of shared memory, "wgmma": whether it uses Hopper's warpgroup
     MMA, "overlapped_exps": see overlapped_exponentials, "warnings": ptxas's warnings (e.g.
     wgmma serialised), "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from flash_msa.ops.gluon import forward
 
     masks = forward.Masks() if masks is None else masks
-    kernel = forward._forward_kernel
     types = dict(
         q_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
         o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
@@ -96,6 +92,45 @@ def compile_forward(
         document_first="*i32", document_last="*i32",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, **masks.constexprs())
+    turns = "pingpong" if pingpong else "plain"
+    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{_mask_flags(masks)}"
+    return _compile(forward._forward_kernel, types, constexprs, workdir, name)
+
+
+def compile_backward(
+    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
+    grad_q: bool = True, masks=None,
+) -> dict:  # fmt: skip
+    """Compile backward._backward_kernel for sm_90a (grad_q: dQ by atomics beside dK and
+    dV) and report as compile_forward does."""
+    from flash_msa.ops.gluon import backward, forward
+
+    masks = forward.Masks() if masks is None else masks
+    rows = dict(q_desc=backward.QUERY_ROWS, do_desc=backward.QUERY_ROWS, k_desc=backward.BLOCK_N,
+                v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N, dv_desc=backward.HALF_N)
+    types = {name: _descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
+    types.update(
+        lse="*fp32", delta="*fp32", grad_q="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
+        t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
+        document_first="*i32", document_last="*i32",
+    )  # fmt: skip
+    constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q, **masks.constexprs())
+    mode = "atomic" if grad_q else "dkdv"
+    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{mode}{_mask_flags(masks)}"
+    return _compile(backward._backward_kernel, types, constexprs, workdir, name)
+
+
+def _mask_flags(masks) -> str:
+    return "".join(f"_{name}" for name, value in masks._asdict().items() if value)
+
+
+def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> dict:
+    """Compile a Gluon kernel for sm_90a (arguments not in types are i32) and report."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flash_msa.ops.gluon import forward
+
     signature = {
         arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names
     }
@@ -103,9 +138,6 @@ def compile_forward(
         GluonASTSource(kernel, signature, constexprs), target=GPUTarget(*TARGET),
         options=dict(num_warps=4, maxnreg=forward.MAX_REGISTERS),
     )  # fmt: skip
-    turns = "pingpong" if pingpong else "plain"
-    flags = "".join(f"_{name}" for name, value in masks._asdict().items() if value)
-    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{flags}"
     assembled = assemble_for_sm90(compiled.asm["ptx"], workdir, name)
     cubin = assembled["cubin"]
     sass = subprocess.run(

@@ -217,19 +217,21 @@ def _partial(key_first, visible, KEYS: gl.constexpr, MASKS: gl.constexpr):
 
 
 @gluon.jit
-def _mask_scores(s, partial, key_first, visible, MASKS: gl.constexpr):
-    """s [HALF_M, BLOCK_N] of the keys from position key_first, with -inf where a query
-    must not see a key (visible: see _visible_keys), if the block is partial."""
+def _mask_scores(s, partial, key_first, visible, KEY_AXIS: gl.constexpr, MASKS: gl.constexpr):
+    """s (queries x keys [HALF_M, BLOCK_N] with KEY_AXIS 1, keys x queries with KEY_AXIS 0)
+    of the keys from position key_first, with -inf where a query must not see a key
+    (visible: see _visible_keys, its bounds along the other axis), if the block is partial."""
     lower, upper, _, _ = visible
     if partial:
-        KEYS: gl.constexpr = s.type.shape[1]
-        keys = key_first + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s.type.layout))
+        KEYS: gl.constexpr = s.type.shape[KEY_AXIS]
+        keys = key_first + gl.arange(0, KEYS, layout=gl.SliceLayout(1 - KEY_AXIS, s.type.layout))
+        keys = gl.expand_dims(keys, 1 - KEY_AXIS)
         keep = True
         if MASKS.upper:
-            keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(upper, 1))
+            keep = keep & (keys <= gl.expand_dims(upper, KEY_AXIS))
         if MASKS.lower:
-            keep = keep & (gl.expand_dims(keys, 0) >= gl.expand_dims(lower, 1))
-        s = gl.where(keep, s, float("-inf"))  # [HALF_M, BLOCK_N]
+            keep = keep & (keys >= gl.expand_dims(lower, KEY_AXIS))
+        s = gl.where(keep, s, float("-inf"))
     return s
 
 
@@ -275,7 +277,7 @@ def _kv_step(
     s = warpgroup_mma_wait(1, deps=(s,))  # S done; P V may still run
     mbarrier.arrive(k_empty.index(stage))
     if MASKS.scores:
-        s = _mask_scores(s, partial, key_first, visible, MASKS)
+        s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, False, MASKS.scores)
     # This block's V (read by the next step's P V) is waited for here, between the softmax
     # and the matmul wait: the barrier's spin loop ends a basic block, which keeps ptxas
@@ -365,7 +367,7 @@ def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.cons
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
         if MASKS.scores:
-            s = _mask_scores(s, partial, key_first, visible, MASKS)
+            s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
         p, m_i, l_i, alpha = _softmax_step(s, s, s, qk_scale, True, MASKS.scores)
         mbarrier.wait(v_ready.index(0), 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)  # [HALF_M, BLOCK_N]

@@ -421,6 +421,67 @@ def _dkdv_tiles(
     return tile, tokens, kv_rows, launch
 
 
+def _grad_q(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: BlockLayout,
+    shared: dict,
+    query_masks: QueryMasks | None,
+    tma: bool,
+    query_rows: int | None,
+    config: triton.Config | None,
+) -> torch.Tensor:
+    """dQ from the dQ kernel (which also fills shared["delta"]); shared: _shared_arguments."""
+    heads_q, padded = q.shape[2], _env.head_dim_pad(q.shape[3])
+    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
+    max_rows = configs.max_query_rows(padded, "dq") if query_rows is None else query_rows
+    tile = packing(layout, max_rows, heads_q, k.shape[2])
+    order = tile_order(layout, tile.rows)
+    grid = (order.numel(), heads_q // tile.pack, q.shape[0])
+    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), tma,
+                            _env.shared_memory(q.device))  # fmt: skip
+    kernel = _dq_kernel if config is not None else _tuned_dq(launch, layout.kv_block)
+    with descriptor_scratch(q.device):
+        kernel[grid](
+            out=out, grad_q=grad_q, row_offsets=layout.row_offsets,
+            col_indices=layout.col_indices, tile_order=order, **strides("out", out),
+            **strides("grad_q", grad_q), stride_layout=layout.row_offsets.stride(0),
+            **query_mask_arguments(query_masks, "csr", layout.row_offsets), ROWS=tile.rows,
+            PACK=tile.pack, **shared, **config_arguments(config),
+        )  # fmt: skip
+    return grad_q
+
+
+def grad_q_and_delta(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    softmax_scale: float,
+    document_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dQ (like q) and delta = rowsum(dO * O) (fp32 [B, H_q, S_q]) from the dQ kernel alone,
+    for a backend that computes dK and dV itself; arguments as in attention_backward (no
+    dropout, no block positions, no query masks)."""
+    delta = torch.empty_like(lse)
+    tma = resolve_tma(None, q, k, v, out, grad_out, kv_padding=0)
+    shared = _shared_arguments(
+        grad_out, q, k, v, lse, delta, layout, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, document_ids=document_ids, dropout_p=0.0, dropout_seed=0,
+        positions=None, tma=tma,
+    )  # fmt: skip
+    return _grad_q(grad_out, q, k, out, lse, layout, shared, None, tma, None, None), delta
+
+
 def attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -444,6 +505,7 @@ def attention_backward(
     dkdv_kv_rows: int | None = None,
     dq_config: triton.Config | None = None,
     dkdv_config: triton.Config | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of validated, kernel-ready inputs (custom_op.py makes them so).
 
@@ -455,15 +517,13 @@ def attention_backward(
         dq_query_rows, dkdv_query_rows: the most rows of a query tile of each kernel;
             dkdv_kv_rows: key rows of a dK/dV program (None: the configs module's choice).
         dq_config, dkdv_config: run these kernel configs instead of autotuning.
+        deterministic: either way (every element is written by one program).
 
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
     """
-    batch, _, heads_q, head_dim = q.shape
-    heads_kv = k.shape[2]
-    padded = _env.head_dim_pad(head_dim)
+    batch, heads_kv = q.shape[0], k.shape[2]
     delta = torch.empty_like(lse)
-    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     tma = resolve_tma(tma, q, k, v, out, grad_out,
@@ -474,21 +534,8 @@ def attention_backward(
         dropout_seed=dropout_seed, positions=positions, tma=tma,
     )  # fmt: skip
 
-    max_rows = configs.max_query_rows(padded, "dq") if dq_query_rows is None else dq_query_rows
-    tile = packing(layout, max_rows, heads_q, heads_kv)
-    order = tile_order(layout, tile.rows)
-    grid = (order.numel(), heads_q // tile.pack, batch)
-    launch = configs.Launch(padded, tile.rows * tile.pack, q.element_size(), tma,
-                            _env.shared_memory(q.device))  # fmt: skip
-    kernel = _dq_kernel if dq_config is not None else _tuned_dq(launch, layout.kv_block)
-    with descriptor_scratch(q.device):
-        kernel[grid](
-            out=out, grad_q=grad_q, row_offsets=layout.row_offsets,
-            col_indices=layout.col_indices, tile_order=order, **strides("out", out),
-            **strides("grad_q", grad_q), stride_layout=layout.row_offsets.stride(0),
-            **query_mask_arguments(query_masks, "csr", layout.row_offsets), ROWS=tile.rows,
-            PACK=tile.pack, **shared, **config_arguments(dq_config),
-        )  # fmt: skip
+    grad_q = _grad_q(grad_out, q, k, out, lse, layout, shared, query_masks, tma, dq_query_rows,
+                     dq_config)  # fmt: skip
 
     transposed = layout.transpose()
     tile, tokens, kv_rows, launch = _dkdv_tiles(layout, q, heads_kv, tma, dkdv_query_rows,

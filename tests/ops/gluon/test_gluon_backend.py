@@ -1,7 +1,8 @@
 """The "gluon" backend through block_sparse_attn_func on an H100 / H200: its forward (Gluon,
-masked where blocks are partial) and backward (the Triton kernels) against float64 by
-FlashAttention's rule, packed documents through the varlen call, and "auto" choosing it for
-everything but dropout."""
+masked where blocks are partial) and backward (Gluon dK/dV with the Triton dQ kernel, or with
+deterministic=False dQ by atomics) against float64 by FlashAttention's rule, packed
+documents through the varlen call, bitwise reproducible gradients when deterministic, and
+"auto" choosing it for everything but dropout."""
 
 from collections.abc import Callable
 from typing import NamedTuple
@@ -48,6 +49,8 @@ CASES = {
         window_size=(150, 50)),
     "documents-causal-ragged-128": Case(2, 777, 4, 2, 128, patterns.causal, causal=True,
                                         documents=(300, 1, 250, 226)),
+    "dense-gqa-128": Case(1, 1024, 8, 2, 128, lambda s: patterns.from_dense_mask(
+        torch.ones(s // 128, s // 128, dtype=torch.bool), seq_len_q=s)),
 }  # fmt: skip
 
 
@@ -73,9 +76,11 @@ def references(q, k, v, mask, grad_out, dtype) -> dict:
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gluon_backend_within_twice_torch_error(name, dtype, poisoned_allocations):
+def test_gluon_backend_within_twice_torch_error(name, dtype, deterministic,
+                                                poisoned_allocations):  # fmt: skip
     case = CASES[name]
     layout = case.layout(case.seq_len).to("cuda")
     q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, case.head_dim,
@@ -88,12 +93,34 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, poisoned_allocation
     grad_out = torch.randn_like(q)
     out, lse = block_sparse_attn_func(
         q, k, v, layout, causal=case.causal, window_size=case.window_size,
-        document_ids=documents, backend="gluon", return_lse=True,
+        document_ids=documents, backend="gluon", return_lse=True, deterministic=deterministic,
     )  # fmt: skip
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     mask = layout_mask(layout, case.batch, case.heads_q, causal=case.causal,
                        window_size=case.window_size, document_ids=documents)  # fmt: skip
     grads_within_twice_torch_error(references(q, k, v, mask, grad_out, dtype), (out, lse, *grads))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_deterministic_gradients_are_bitwise_equal():
+    """Two backward passes of a causal GQA call give the same bits; with atomics they agree
+    within rounding."""
+    layout = patterns.causal(2048, device="cuda")
+    q, k, v = random_qkv(1, 2048, 8, 128, heads_kv=2, dtype=torch.bfloat16, device="cuda",
+                         seed=7, requires_grad=True)  # fmt: skip
+    grad_out = torch.randn_like(q)
+
+    def grads(deterministic):
+        out = block_sparse_attn_func(q, k, v, layout, causal=True, backend="gluon",
+                                     deterministic=deterministic)  # fmt: skip
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    first, second = grads(True), grads(True)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(first, grads(False), strict=True):
+        assert relative_error(b, a.double()) < 1e-2
 
 
 @pytest.mark.gpu
