@@ -82,6 +82,13 @@ def _column(t_row_offsets, head, batch, kv_block, stride_layout, layout_batch_st
 
 
 @gluon.jit
+def _query_first(t_col_indices, half_block, ROWS: gl.constexpr):
+    """The first query position of step `half_block` of a column: half half_block % 2 of the
+    query block of entry half_block // 2."""
+    return gl.load(t_col_indices + half_block // 2) * (2 * ROWS) + (half_block % 2) * ROWS
+
+
+@gluon.jit
 def _producer(
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
     q_empty, do_ready, do_empty, walk,
@@ -106,23 +113,22 @@ def _producer(
         head = kv_head * group + member
         start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
                              layout_batch_stride, layout_head_divisor)  # fmt: skip
-        for entry in range(start, end):
-            q_row = batch * seq_len_q + gl.load(t_col_indices + entry) * (2 * ROWS)
-            for half in gl.static_range(2):
-                stage = step % NUM_STAGES
-                phase = (step // NUM_STAGES) & 1
-                # A fresh barrier counts as having completed the phase before 0.
-                mbarrier.wait(q_empty.index(stage), phase ^ 1)
-                mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + half * ROWS, head * HEAD_DIM],
-                                                q_ready.index(stage),
-                                                q_smem.index(stage))  # fmt: skip
-                mbarrier.wait(do_empty.index(stage), phase ^ 1)
-                mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [q_row + half * ROWS, head * HEAD_DIM],
-                                                do_ready.index(stage),
-                                                do_smem.index(stage))  # fmt: skip
-                step += 1
+        # Two steps per entry: its query block's halves of ROWS rows.
+        for half_block in range(2 * start, 2 * end):
+            q_row = batch * seq_len_q + _query_first(t_col_indices, half_block, ROWS)
+            stage = step % NUM_STAGES
+            phase = (step // NUM_STAGES) & 1
+            # A fresh barrier counts as having completed the phase before 0.
+            mbarrier.wait(q_empty.index(stage), phase ^ 1)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM],
+                                            q_ready.index(stage), q_smem.index(stage))  # fmt: skip
+            mbarrier.wait(do_empty.index(stage), phase ^ 1)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [q_row, head * HEAD_DIM],
+                                            do_ready.index(stage),
+                                            do_smem.index(stage))  # fmt: skip
+            step += 1
 
 
 @gluon.jit
@@ -138,12 +144,20 @@ def _query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, 
 
 
 @gluon.jit
-def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first):
+def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first, LINES: gl.constexpr):
     """Atomically add dq [QUERY_ROWS, D] (fp32, MMA layout) to the rows query_first.. of
     head `head` of grad_q (fp32 [B, S_q, H_q, D]; row = b * S_q + query_first)."""
     ROWS: gl.constexpr = dq.type.shape[0]
     HEAD_DIM: gl.constexpr = dq.type.shape[1]
-    layout: gl.constexpr = dq.type.layout
+    if LINES:
+        # A warp's 32 lanes on 32 contiguous elements of one row: each atomic instruction
+        # covers one 128-byte line (the MMA layout scatters a warp's lanes over 8 rows).
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
+        )
+        dq = gl.convert_layout(dq, layout)
+    else:
+        layout: gl.constexpr = dq.type.layout
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [QUERY_ROWS]
     columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [D]
     offsets = (gl.expand_dims(((row + rows).to(gl.int64) * heads_q + head) * HEAD_DIM, 1)
@@ -153,7 +167,8 @@ def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first):
 
 
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr):
+def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr,
+              LINES: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
     of those keys, and with GRAD_Q their share of dQ."""
     (q_smem, do_smem, k_smem, v_smem, ds_smem, dk_desc, dv_desc, kv_ready, q_ready, q_empty,
@@ -187,57 +202,55 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
         start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
                              layout_batch_stride, layout_head_divisor)  # fmt: skip
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
-        for entry in range(start, end):
-            block_first = gl.load(t_col_indices + entry) * (2 * ROWS)
-            for half in gl.static_range(2):
-                query_first = block_first + half * ROWS
-                stage = step % NUM_STAGES
-                phase = (step // NUM_STAGES) & 1
-                q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
-                do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
-                mbarrier.wait(q_ready.index(stage), phase)
-                s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
-                s = warpgroup_mma(k_mine, q_tile.permute((1, 0)), s, use_acc=False,
-                                  is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
-                mbarrier.wait(do_ready.index(stage), phase)
-                dp = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
-                dp = warpgroup_mma(v_mine, do_tile.permute((1, 0)), dp, use_acc=False,
-                                   is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
-                # The query rows' vectors are loaded while the matmuls run, not held across
-                # them: along the columns of the transposed tiles they take 16 registers each.
-                row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
-                                      True, columns)  # fmt: skip  # [QUERY_ROWS]
-                s = warpgroup_mma_wait(1, deps=(s,))
-                if MASKS.scores:
-                    visible = _visible_keys(query_first, bounds, ROWS, columns, MASKS)
-                    partial = _partial(key_first, visible, KEYS, MASKS)
-                    s = _mask_scores(s, partial, key_first, visible, 0, MASKS)
-                p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 0))  # [KEYS, QUERY_ROWS]
-                dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_tile, dv,
-                                   is_async=True)  # fmt: skip
-                row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
-                                        False, columns)  # fmt: skip  # [QUERY_ROWS]
-                dp = warpgroup_mma_wait(1, deps=(dp,))
-                ds = p * (dp - gl.expand_dims(row_delta, 0))  # [KEYS, QUERY_ROWS]
-                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
-                                   is_async=True)  # fmt: skip
-                if GRAD_Q:
-                    ds_mine.store(ds.to(dtype))
-                    fence_async_shared()
-                    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-                    dq = warpgroup_mma(ds_mine.permute((1, 0)), k_mine, dq, use_acc=False,
-                                       is_async=True)  # fmt: skip  # [QUERY_ROWS, D]
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                    mbarrier.arrive(q_empty.index(stage))
-                    mbarrier.arrive(do_empty.index(stage))
-                    q_row = batch * seq_len_q + query_first
-                    _add_grad_q(grad_q, dq * softmax_scale, q_row, head, seq_len_q, heads_q,
-                                query_first)  # fmt: skip
-                else:
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(q_empty.index(stage))
-                    mbarrier.arrive(do_empty.index(stage))
-                step += 1
+        for half_block in range(2 * start, 2 * end):
+            query_first = _query_first(t_col_indices, half_block, ROWS)
+            stage = step % NUM_STAGES
+            phase = (step // NUM_STAGES) & 1
+            q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
+            do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
+            mbarrier.wait(q_ready.index(stage), phase)
+            s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+            s = warpgroup_mma(k_mine, q_tile.permute((1, 0)), s, use_acc=False,
+                              is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+            dp = warpgroup_mma(v_mine, do_tile.permute((1, 0)), dp, use_acc=False,
+                               is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
+            # The query rows' vectors are loaded while the matmuls run, not held across
+            # them: along the columns of the transposed tiles they take 16 registers each.
+            row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
+                                  True, columns)  # fmt: skip  # [QUERY_ROWS]
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if MASKS.scores:
+                visible = _visible_keys(query_first, bounds, ROWS, columns, MASKS)
+                partial = _partial(key_first, visible, KEYS, MASKS)
+                s = _mask_scores(s, partial, key_first, visible, 0, MASKS)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 0))  # [KEYS, QUERY_ROWS]
+            dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_tile, dv,
+                               is_async=True)  # fmt: skip
+            row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
+                                    False, columns)  # fmt: skip  # [QUERY_ROWS]
+            dp = warpgroup_mma_wait(1, deps=(dp,))
+            ds = p * (dp - gl.expand_dims(row_delta, 0))  # [KEYS, QUERY_ROWS]
+            dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
+                               is_async=True)  # fmt: skip
+            if GRAD_Q:
+                ds_mine.store(ds.to(dtype))
+                fence_async_shared()
+                dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                dq = warpgroup_mma(ds_mine.permute((1, 0)), k_mine, dq, use_acc=False,
+                                   is_async=True)  # fmt: skip  # [QUERY_ROWS, D]
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                mbarrier.arrive(q_empty.index(stage))
+                mbarrier.arrive(do_empty.index(stage))
+                q_row = batch * seq_len_q + query_first
+                _add_grad_q(grad_q, dq * softmax_scale, q_row, head, seq_len_q, heads_q,
+                            query_first, LINES)  # fmt: skip
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(q_empty.index(stage))
+                mbarrier.arrive(do_empty.index(stage))
+            step += 1
 
     # This warpgroup's K and V rows are no longer read: they hold dK and dV on their way out.
     k_mine.store((dk * softmax_scale).to(dtype))
@@ -266,7 +279,7 @@ def _backward_kernel(
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
     document_last, window_left, window_right, NUM_STAGES: gl.constexpr, GRAD_Q: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
-    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
+    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr, LINES: gl.constexpr = True,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
     ones are the heaviest). q_desc / do_desc: [B * S_q, H_q * D] in blocks [64, D]; k_desc,
@@ -316,8 +329,8 @@ def _backward_kernel(
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
-        [(_consumer, (shared, UPPER, GRAD_Q, MASKS)),
-         (_consumer, (shared, LOWER, GRAD_Q, MASKS)), (_producer, loads)],
+        [(_consumer, (shared, UPPER, GRAD_Q, MASKS, LINES)),
+         (_consumer, (shared, LOWER, GRAD_Q, MASKS, LINES)), (_producer, loads)],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
@@ -367,6 +380,7 @@ def attention_backward(
     document_ids: torch.Tensor | None = None,
     deterministic: bool = True,
     num_stages: int = 2,
+    lines: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the Gluon forward on kernel-ready inputs (custom_op.py makes them so),
     q_block = kv_block = 128.
@@ -417,7 +431,8 @@ def attention_backward(
         layout_head_divisor=heads_q // layout_heads, qk_scale=softmax_scale * _env.LOG2_E,
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
-        NUM_STAGES=num_stages, GRAD_Q=not deterministic, **masks.constexprs(), num_warps=4,
+        NUM_STAGES=num_stages, GRAD_Q=not deterministic, LINES=lines, **masks.constexprs(),
+        num_warps=4,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if not deterministic:

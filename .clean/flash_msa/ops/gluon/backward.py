@@ -1,0 +1,425 @@
+"""Block-sparse attention backward for Hopper (sm_90) in Gluon, over the transposed layout.
+
+One program owns a kv tile of 128 keys of one (batch, kv head) and walks that tile's column
+of the layout (layout.transpose()), for every query head of its GQA group: only the active
+(query block, kv block) pairs cost work. Three partitions share the program:
+
+- a producer warp issues TMA loads: the K and V tiles once, then, for each active query
+  block, its two 64-row halves of Q and dO into a NUM_STAGES-deep shared-memory ring
+  (a "ready" and an "empty" mbarrier per slot, Q and dO apart);
+- two consumer warpgroups, each owning 64 of the 128 keys, run per query half
+  S^T = K Q^T and dP^T = V dO^T (async warpgroup MMAs, both issued before the softmax),
+  P^T = exp2(S^T * scale - lse), dS^T = P^T (dP^T - delta), then dV += P^T dO and
+  dK += dS^T Q with P^T and dS^T from registers, accumulating dK and dV [64, D] in fp32
+  registers for the program's life.
+
+dQ comes in one of two ways (GRAD_Q):
+- GRAD_Q: each consumer also computes its 64 keys' share of the half's dQ, dS K (dS^T
+  through shared memory), and adds it to an fp32 dQ buffer with atomics: five matmuls per
+  block pair, not bitwise reproducible (the order of the adds varies);
+- not GRAD_Q: dK and dV only (four matmuls); dQ comes from the Triton dQ kernel, which
+  walks the CSR rows (three more matmuls) and writes every element once: deterministic.
+
+Element masks are the forward's (forward.Masks: key bounds per query row), applied to the
+transposed scores. Rows past S_q read lse +inf (P = 0); keys past S_kv are masked, and their
+dK / dV rows are not stored.
+
+q_block = kv_block = 128, D in {64, 128}, fp16 or bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flash_msa import _env
+from flash_msa.layout import BlockLayout
+from flash_msa.ops.gluon.forward import (
+    CONSUMER_REGISTERS,
+    CONSUMER_WARPS,
+    LOWER,
+    MAX_REGISTERS,
+    PRODUCER_REGISTERS,
+    PRODUCER_WARPS,
+    UPPER,
+    _descriptor,
+    _mask_scores,
+    _masks,
+    _mma_layout,
+    _partial,
+    _rows_contiguous,
+    _store_rows,
+    _store_tile,
+    _visible_keys,
+    document_bounds,
+    kernel_masks,
+)
+
+BLOCK_N = 128  # keys of one program (one layout block)
+HALF_N = 64  # keys of one consumer warpgroup
+QUERY_ROWS = 64  # query rows of one step (half a layout block)
+LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
+
+
+@gluon.jit
+def _column(t_row_offsets, head, batch, kv_block, stride_layout, layout_batch_stride,
+            layout_head_divisor):  # fmt: skip
+    """[start, end) of the transposed layout's entries (query blocks) of kv_block for
+    query head `head`."""
+    layout_row = batch * layout_batch_stride + head // layout_head_divisor
+    row = t_row_offsets + layout_row * stride_layout
+    return gl.load(row + kv_block), gl.load(row + kv_block + 1)
+
+
+@gluon.jit
+def _producer(
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
+    q_empty, do_ready, do_empty, walk,
+):  # fmt: skip
+    """One warp: K and V once, then both halves of Q and dO of each query block of the
+    column, head after head of the group, into the ring."""
+    (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
+     stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+    kv_row = batch * seq_len_kv + kv_block * KV_ROWS
+    mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_ready.index(0),
+                                    k_smem)  # fmt: skip
+    mbarrier.expect(kv_ready.index(1), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_ready.index(1),
+                                    v_smem)  # fmt: skip
+    step = 0
+    for member in range(group):
+        head = kv_head * group + member
+        start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
+                             layout_batch_stride, layout_head_divisor)  # fmt: skip
+        for entry in range(start, end):
+            q_row = batch * seq_len_q + gl.load(t_col_indices + entry) * (2 * ROWS)
+            for half in gl.static_range(2):
+                stage = step % NUM_STAGES
+                phase = (step // NUM_STAGES) & 1
+                # A fresh barrier counts as having completed the phase before 0.
+                mbarrier.wait(q_empty.index(stage), phase ^ 1)
+                mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row + half * ROWS, head * HEAD_DIM],
+                                                q_ready.index(stage),
+                                                q_smem.index(stage))  # fmt: skip
+                mbarrier.wait(do_empty.index(stage), phase ^ 1)
+                mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [q_row + half * ROWS, head * HEAD_DIM],
+                                                do_ready.index(stage),
+                                                do_smem.index(stage))  # fmt: skip
+                step += 1
+
+
+@gluon.jit
+def _query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, other,
+                LSE: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """The ROWS queries' values [ROWS] in `layout` (`other` past S_q); LSE: the lse in log2
+    units, +inf for rows that see no key, so that their P is 0 (as past S_q, other=inf)."""
+    queries = query_first + gl.arange(0, ROWS, layout=layout)
+    rows = gl.load(values + row_offset + queries, mask=queries < seq_len_q, other=other)
+    if LSE:
+        rows = gl.where(rows == float("-inf"), float("inf"), rows * LOG2_E)
+    return rows
+
+
+@gluon.jit
+def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first):
+    """Atomically add dq [QUERY_ROWS, D] (fp32, MMA layout) to the rows query_first.. of
+    head `head` of grad_q (fp32 [B, S_q, H_q, D]; row = b * S_q + query_first)."""
+    ROWS: gl.constexpr = dq.type.shape[0]
+    HEAD_DIM: gl.constexpr = dq.type.shape[1]
+    layout: gl.constexpr = dq.type.layout
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [QUERY_ROWS]
+    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [D]
+    offsets = (gl.expand_dims(((row + rows).to(gl.int64) * heads_q + head) * HEAD_DIM, 1)
+               + gl.expand_dims(columns, 0))  # fmt: skip  # [QUERY_ROWS, D]
+    valid = gl.expand_dims(query_first + rows < seq_len_q, 1)
+    gl.atomic_add(grad_q + offsets, dq, mask=valid, sem="relaxed")
+
+
+@gluon.jit
+def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr):
+    """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
+    of those keys, and with GRAD_Q their share of dQ."""
+    (q_smem, do_smem, k_smem, v_smem, ds_smem, dk_desc, dv_desc, kv_ready, q_ready, q_empty,
+     do_ready, do_empty, lse, delta, grad_q, walk, heads_q, qk_scale, softmax_scale, bounds,
+     tail) = shared  # fmt: skip
+    (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
+     stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+    KEYS: gl.constexpr = ds_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(ROWS, dtype)  # [KEYS, QUERY_ROWS] accumulators
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)  # [64, D] accumulators
+    operand: gl.constexpr = gl.DotOperandLayout(
+        operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth
+    )
+    columns: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
+    v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
+    ds_mine = ds_smem.index(HALF)  # [KEYS, QUERY_ROWS]
+    key_first = kv_block * (2 * KEYS) + HALF * KEYS
+
+    mbarrier.wait(kv_ready.index(0), 0)
+    mbarrier.wait(kv_ready.index(1), 0)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
+    step = 0
+    for member in range(group):
+        head = kv_head * group + member
+        start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
+                             layout_batch_stride, layout_head_divisor)  # fmt: skip
+        row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
+        for entry in range(start, end):
+            block_first = gl.load(t_col_indices + entry) * (2 * ROWS)
+            for half in gl.static_range(2):
+                query_first = block_first + half * ROWS
+                stage = step % NUM_STAGES
+                phase = (step // NUM_STAGES) & 1
+                q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
+                do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
+                mbarrier.wait(q_ready.index(stage), phase)
+                s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+                s = warpgroup_mma(k_mine, q_tile.permute((1, 0)), s, use_acc=False,
+                                  is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
+                mbarrier.wait(do_ready.index(stage), phase)
+                dp = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+                dp = warpgroup_mma(v_mine, do_tile.permute((1, 0)), dp, use_acc=False,
+                                   is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
+                # The query rows' vectors are loaded while the matmuls run, not held across
+                # them: along the columns of the transposed tiles they take 16 registers each.
+                row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
+                                      True, columns)  # fmt: skip  # [QUERY_ROWS]
+                s = warpgroup_mma_wait(1, deps=(s,))
+                if MASKS.scores:
+                    visible = _visible_keys(query_first, bounds, ROWS, columns, MASKS)
+                    partial = _partial(key_first, visible, KEYS, MASKS)
+                    s = _mask_scores(s, partial, key_first, visible, 0, MASKS)
+                p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 0))  # [KEYS, QUERY_ROWS]
+                dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_tile, dv,
+                                   is_async=True)  # fmt: skip
+                row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
+                                        False, columns)  # fmt: skip  # [QUERY_ROWS]
+                dp = warpgroup_mma_wait(1, deps=(dp,))
+                ds = p * (dp - gl.expand_dims(row_delta, 0))  # [KEYS, QUERY_ROWS]
+                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
+                                   is_async=True)  # fmt: skip
+                if GRAD_Q:
+                    ds_mine.store(ds.to(dtype))
+                    fence_async_shared()
+                    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                    dq = warpgroup_mma(ds_mine.permute((1, 0)), k_mine, dq, use_acc=False,
+                                       is_async=True)  # fmt: skip  # [QUERY_ROWS, D]
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                    mbarrier.arrive(q_empty.index(stage))
+                    mbarrier.arrive(do_empty.index(stage))
+                    q_row = batch * seq_len_q + query_first
+                    _add_grad_q(grad_q, dq * softmax_scale, q_row, head, seq_len_q, heads_q,
+                                query_first)  # fmt: skip
+                else:
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(q_empty.index(stage))
+                    mbarrier.arrive(do_empty.index(stage))
+                step += 1
+
+    # This warpgroup's K and V rows are no longer read: they hold dK and dV on their way out.
+    k_mine.store((dk * softmax_scale).to(dtype))
+    v_mine.store(dv.to(dtype))
+    kv_row = batch * seq_len_kv + key_first
+    kv_col = kv_head * HEAD_DIM
+    if MASKS.kv_tail:
+        grad_k, grad_v, row_stride = tail
+        if key_first + KEYS > seq_len_kv:
+            # Past S_kv, the [B * S_kv, H_kv * D] view holds the next batch element's rows.
+            _store_rows(grad_k, k_mine, kv_row, seq_len_kv - key_first, kv_col, row_stride)
+            _store_rows(grad_v, v_mine, kv_row, seq_len_kv - key_first, kv_col, row_stride)
+        else:
+            _store_tile(dk_desc, k_mine, kv_row, kv_col)
+            _store_tile(dv_desc, v_mine, kv_row, kv_col)
+    else:
+        _store_tile(dk_desc, k_mine, kv_row, kv_col)
+        _store_tile(dv_desc, v_mine, kv_row, kv_col)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _backward_kernel(
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse, delta, grad_q, grad_k, grad_v,
+    t_row_offsets, t_col_indices, seq_len_q, seq_len_kv, heads_q, group, stride_layout,
+    layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
+    document_last, window_left, window_right, NUM_STAGES: gl.constexpr, GRAD_Q: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
+    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
+):  # fmt: skip
+    """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
+    ones are the heaviest). q_desc / do_desc: [B * S_q, H_q * D] in blocks [64, D]; k_desc,
+    v_desc: [B * S_kv, H_kv * D] in blocks [128, D]; dk_desc / dv_desc: grad_k / grad_v's
+    like views in blocks [64, D]. lse (natural log), delta = rowsum(dO * O): fp32
+    [B, H_q, S_q]; grad_q: fp32 [B, S_q, H_q, D], zeros, added to with GRAD_Q. The
+    transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
+    Masks as in the forward kernel."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL)
+    kv_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    batch = gl.program_id(2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_ROWS // 2, ROWS], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, KV_ROWS // 2, ROWS], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+    fence_async_shared()
+
+    documents = batch * seq_len_kv
+    bounds = (seq_len_kv, window_left, window_right, document_first + documents,
+              document_last + documents)  # fmt: skip
+    tail = (grad_k, grad_v, heads_q // group * HEAD_DIM)
+    walk = (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q,
+            seq_len_kv, stride_layout, layout_batch_stride, layout_head_divisor)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, dk_desc, dv_desc, kv_ready, q_ready,
+              q_empty, do_ready, do_empty, lse, delta, grad_q, walk, heads_q, qk_scale,
+              softmax_scale, bounds, tail)  # fmt: skip
+    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
+             q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
+    gl.warp_specialize(
+        [(_consumer, (shared, UPPER, GRAD_Q, MASKS)),
+         (_consumer, (shared, LOWER, GRAD_Q, MASKS)), (_producer, loads)],
+        [CONSUMER_WARPS, PRODUCER_WARPS],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+    )  # fmt: skip
+
+
+@triton.jit
+def _delta_kernel(out, grad_out, delta, rows, heads, seq_len, HEAD_DIM: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """delta[b, h, s] = sum_d dO * O over rows (b, s, h) of the [B * S * H, D] views."""
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] over (b, s, h)
+    valid = row < rows
+    columns = tl.arange(0, HEAD_DIM)
+    offsets = row.to(tl.int64)[:, None] * HEAD_DIM + columns[None, :]  # [BLOCK, D]
+    o = tl.load(out + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+    do = tl.load(grad_out + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+    head = row % heads
+    token = row // heads  # b * S + s
+    target = (token // seq_len * heads + head).to(tl.int64) * seq_len + token % seq_len
+    tl.store(delta + target, tl.sum(o * do, 1), mask=valid)
+
+
+def row_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, H, S]: rowsum(dO * O) of contiguous [B, S, H, D] tensors."""
+    batch, seq_len, heads, head_dim = out.shape
+    delta = torch.empty(batch, heads, seq_len, dtype=torch.float32, device=out.device)
+    rows = batch * seq_len * heads
+    block = 64
+    _delta_kernel[(triton.cdiv(rows, block),)](
+        out=out, grad_out=grad_out, delta=delta, rows=rows, heads=heads, seq_len=seq_len,
+        HEAD_DIM=head_dim, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return delta
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    softmax_scale: float,
+    document_ids: torch.Tensor | None = None,
+    deterministic: bool = True,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the Gluon forward on kernel-ready inputs (custom_op.py makes them so),
+    q_block = kv_block = 128.
+
+    Args:
+        grad_out, q, k, v, out, lse, layout, causal, window_size, softmax_scale,
+            document_ids: as in forward.attention_forward and its (out, lse).
+        deterministic: dQ from the Triton dQ kernel (bitwise reproducible) rather than
+            atomics beside dK and dV (five matmuls per block pair instead of seven).
+        num_stages: depth of the Q / dO shared-memory ring.
+
+    Returns:
+        (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
+    """
+    from flash_msa.ops.triton.backward import grad_q_and_delta
+
+    q, k, v, out, grad_out = (_rows_contiguous(t) for t in (q, k, v, out, grad_out))
+    batch, seq_len_q, heads_q, head_dim = q.shape
+    seq_len_kv, heads_kv = k.shape[1], k.shape[2]
+    options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                   document_ids=document_ids)  # fmt: skip
+    if deterministic:
+        grad_q, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options)
+        accumulated = lse  # stands in (never written)
+    else:
+        delta = row_delta(out, grad_out)
+        accumulated = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
+    grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
+    masks, window_left, window_right = kernel_masks(
+        causal, window_size, document_ids is not None, seq_len_q, seq_len_kv
+    )
+    transposed = layout.transpose()
+    document_first, document_last = (
+        (lse, lse) if document_ids is None else document_bounds(document_ids)
+    )  # lse stands in (never read) without documents
+    layout_heads = layout.layout_heads
+    grid = (transposed.row_offsets.shape[1] - 1, heads_kv, batch)
+    _backward_kernel[grid](
+        q_desc=_descriptor(q, QUERY_ROWS), do_desc=_descriptor(grad_out, QUERY_ROWS),
+        k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
+        dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N), lse=lse,
+        delta=delta, grad_q=accumulated, grad_k=grad_k, grad_v=grad_v,
+        t_row_offsets=transposed.row_offsets, t_col_indices=transposed.col_indices,
+        seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // heads_kv,
+        stride_layout=transposed.row_offsets.stride(0),
+        layout_batch_stride=layout_heads if layout.layout_batch > 1 else 0,
+        layout_head_divisor=heads_q // layout_heads, qk_scale=softmax_scale * _env.LOG2_E,
+        softmax_scale=softmax_scale, document_first=document_first,
+        document_last=document_last, window_left=window_left, window_right=window_right,
+        NUM_STAGES=num_stages, GRAD_Q=not deterministic, **masks.constexprs(), num_warps=4,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    if not deterministic:
+        grad_q = accumulated.to(q.dtype)
+    return grad_q, grad_k, grad_v
