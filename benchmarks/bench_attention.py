@@ -3,9 +3,8 @@
     python benchmarks/bench_attention.py [--cases causal-32k,window-1m] [--out DIR]
 
 bf16, batch 1, head dim 128, block 128, causal (common.CASES, common.VARLEN_CASES). Each
-case builds one layout; flash-msa runs it through its gluon backend (deterministic, and with
-deterministic=False: dQ by atomics) and its triton backend, one row each, the records
-carrying `backend` and `deterministic`;
+case builds one layout; flash-msa runs it through its gluon and its triton backend (one row
+each; records carry `backend` and `deterministic`: both backwards are free of atomics);
 FlexAttention (Triton kernels, compiled with dynamic=False) and FlashAttention-4
 (FlexAttention's FLASH backend) run the identical blocks as one BlockMask
 (common.flex_block_mask: diagonal blocks partial, the rest full). Cases whose dense
@@ -49,10 +48,8 @@ from flash_msa.sequences import document_ids_of
 
 # impl -> what it is, in the reports
 IMPLS = {
-    "flash_msa:gluon": "flash-msa, gluon backend (sm_90), deterministic backward (Gluon dK/dV, "
-    "Triton dQ)",
-    "flash_msa:gluon:atomic": "flash-msa, gluon backend, deterministic=False (dQ by atomics in "
-    "the Gluon backward)",
+    "flash_msa:gluon": "flash-msa, gluon backend (sm_90): Gluon forward, Gluon dK/dV and Triton "
+    "dQ backward (deterministic)",
     "flash_msa:triton": "flash-msa, triton backend (deterministic backward)",
     "flex": "FlexAttention (Triton), same blocks",
     "fa4_block_sparse": "FlashAttention-4 (FlexAttention FLASH backend), same blocks",
@@ -60,12 +57,7 @@ IMPLS = {
     "sdpa_cudnn": "SDPA cuDNN dense causal",
     "sdpa_flash": "SDPA flash (FlashAttention-2) dense causal",
 }
-# flash-msa's rows: impl -> (backend, deterministic)
-OURS = {
-    impl: (impl.split(":")[1], not impl.endswith(":atomic"))
-    for impl in IMPLS
-    if impl.startswith("flash_msa:")
-}
+OURS = {impl: impl.partition(":")[2] for impl in IMPLS if impl.startswith("flash_msa:")}
 PEERS = [impl for impl in IMPLS if impl not in OURS]
 DENSE_IMPLS = ("fa4_dense", "sdpa_cudnn", "sdpa_flash")  # timed once per shape
 
@@ -117,11 +109,10 @@ def time_impls(case: dict, impls: dict, inputs, dense_timings: dict) -> list[dic
     outcomes = agreement(impls)
     records = []
     for impl, (fn, flops) in impls.items():
-        name = impl.partition(":")[0]
+        name, _, backend = impl.partition(":")
         record = dict(case, impl=name, **outcomes.get(impl, {}))
-        if impl in OURS:
-            backend, deterministic = OURS[impl]
-            record.update(backend=backend, deterministic=deterministic)
+        if backend:  # flash-msa's rows: one per backend; its backward never uses atomics
+            record.update(backend=backend, deterministic=True)
         shape_key = (impl, case["seq_len"], case["heads_q"], case["heads_kv"])
         try:
             if "error" in record:
@@ -184,12 +175,12 @@ def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
     impls = {
         **{
             impl: (
-                lambda choice=choice: block_sparse_attn_func(
-                    q, k, v, layout, causal=True, backend=choice[0], deterministic=choice[1]
+                lambda backend=backend: block_sparse_attn_func(
+                    q, k, v, layout, causal=True, backend=backend
                 ),
                 sparse_flops,
             )
-            for impl, choice in OURS.items()
+            for impl, backend in OURS.items()
         },
         "flex": (flex_call(flex, q_t, k_t, v_t, block_mask), sparse_flops),
     }
@@ -231,13 +222,12 @@ def run_varlen_case(name: str, device, fa4) -> list[dict]:
     flops = sum(4 * HEAD_DIM * length * length / 2 for length in lengths) * heads
     impls = {
         impl: (
-            lambda choice=choice: block_sparse_attn_varlen_func(
-                q[0], k[0], v[0], bounds, longest, layout, causal=True, backend=choice[0],
-                deterministic=choice[1],
+            lambda backend=backend: block_sparse_attn_varlen_func(
+                q[0], k[0], v[0], bounds, longest, layout, causal=True, backend=backend
             )[None],
             flops,
         )
-        for impl, choice in OURS.items()
+        for impl, backend in OURS.items()
     }
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -292,12 +282,8 @@ def timing_cells(record: dict) -> list:
 
 
 def row_name(record: dict) -> str:
-    """The impl, and for flash-msa's rows its backend and mode: "flash_msa:gluon",
-    "flash_msa:gluon:atomic" (deterministic=False)."""
-    if "backend" not in record:
-        return record["impl"]
-    atomic = "" if record.get("deterministic", True) else ":atomic"
-    return f"{record['impl']}:{record['backend']}{atomic}"
+    """The impl, and for flash-msa's rows its backend: "flash_msa:gluon"."""
+    return record["impl"] + (f":{record['backend']}" if "backend" in record else "")
 
 
 def speedup_cells(impls: dict[str, dict], ours: dict) -> list[str]:
@@ -315,9 +301,9 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     columns = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "peak GiB"]
     timings = [(r, [r["case"], row_name(r), *timing_cells(r)]) for r in records]
     speedups = [
-        (impls[ours], [case, ours.partition(":")[2], *speedup_cells(impls, impls[ours])])
+        (impls[ours], [case, backend, *speedup_cells(impls, impls[ours])])
         for case, impls in by_case.items()
-        for ours in OURS
+        for ours, backend in OURS.items()
         if ours in impls
     ]
     body = [

@@ -276,7 +276,6 @@ def _attention(
         q, k, v, layout, backend=chosen.name, causal=causal, window_size=window_size,
         softmax_scale=scale, document_ids=document_ids, dropout_p=float(dropout_p),
         dropout_seed=seed, positions=positions, query_masks=query_masks,
-        deterministic=deterministic,
     )  # fmt: skip
 
 

@@ -223,8 +223,6 @@ def attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     layout: BlockLayout,
-    *,
-    deterministic: bool = True,
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): the vector-Jacobian product of the recomputed forward (same dropout bits,

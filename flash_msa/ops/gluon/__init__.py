@@ -3,8 +3,8 @@
 The forward is warp-specialised over 128 x 128 blocks (forward.py): full blocks take no mask
 work, blocks cut by the causal diagonal, a window edge, a document boundary or a ragged end
 are masked in registers. The backward (backward.py) computes dK and dV over the transposed
-layout in Gluon; dQ comes from the Triton dQ kernel (deterministic) or, with
-deterministic=False, from atomics beside dK and dV.
+layout in Gluon and dQ with the Triton dQ kernel: deterministic, and faster than the
+backward's other mode (dQ by atomics beside dK and dV), which the registry does not take.
 It takes causal, window_size, documents and any sequence lengths; the registry passes what
 it refuses (dropout, per-token query masks, and what _check names) to the next backend.
 """
@@ -31,12 +31,13 @@ def _forward(
 
 def _backward(
     grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
-    deterministic, **without_dropout,
+    **without_dropout,
 ):  # fmt: skip
-    """The registry's backward; as _forward."""
+    """The registry's backward (deterministic: the faster of the two, measured); as
+    _forward."""
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
-        softmax_scale=softmax_scale, document_ids=document_ids, deterministic=deterministic,
+        softmax_scale=softmax_scale, document_ids=document_ids,
     )  # fmt: skip
 
 

@@ -144,20 +144,12 @@ def _query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, 
 
 
 @gluon.jit
-def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first, LINES: gl.constexpr):
+def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first):
     """Atomically add dq [QUERY_ROWS, D] (fp32, MMA layout) to the rows query_first.. of
     head `head` of grad_q (fp32 [B, S_q, H_q, D]; row = b * S_q + query_first)."""
     ROWS: gl.constexpr = dq.type.shape[0]
     HEAD_DIM: gl.constexpr = dq.type.shape[1]
-    if LINES:
-        # A warp's 32 lanes on 32 contiguous elements of one row: each atomic instruction
-        # covers one 128-byte line (the MMA layout scatters a warp's lanes over 8 rows).
-        layout: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
-        )
-        dq = gl.convert_layout(dq, layout)
-    else:
-        layout: gl.constexpr = dq.type.layout
+    layout: gl.constexpr = dq.type.layout
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [QUERY_ROWS]
     columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [D]
     offsets = (gl.expand_dims(((row + rows).to(gl.int64) * heads_q + head) * HEAD_DIM, 1)
@@ -167,8 +159,7 @@ def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first, LINES: g
 
 
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr,
-              LINES: gl.constexpr):
+def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
     of those keys, and with GRAD_Q their share of dQ."""
     (q_smem, do_smem, k_smem, v_smem, ds_smem, dk_desc, dv_desc, kv_ready, q_ready, q_empty,
@@ -245,7 +236,7 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
                 mbarrier.arrive(do_empty.index(stage))
                 q_row = batch * seq_len_q + query_first
                 _add_grad_q(grad_q, dq * softmax_scale, q_row, head, seq_len_q, heads_q,
-                            query_first, LINES)  # fmt: skip
+                            query_first)  # fmt: skip
             else:
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(stage))
@@ -279,7 +270,7 @@ def _backward_kernel(
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
     document_last, window_left, window_right, NUM_STAGES: gl.constexpr, GRAD_Q: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
-    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr, LINES: gl.constexpr = True,
+    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
     ones are the heaviest). q_desc / do_desc: [B * S_q, H_q * D] in blocks [64, D]; k_desc,
@@ -329,8 +320,8 @@ def _backward_kernel(
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
-        [(_consumer, (shared, UPPER, GRAD_Q, MASKS, LINES)),
-         (_consumer, (shared, LOWER, GRAD_Q, MASKS, LINES)), (_producer, loads)],
+        [(_consumer, (shared, UPPER, GRAD_Q, MASKS)),
+         (_consumer, (shared, LOWER, GRAD_Q, MASKS)), (_producer, loads)],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
@@ -380,7 +371,6 @@ def attention_backward(
     document_ids: torch.Tensor | None = None,
     deterministic: bool = True,
     num_stages: int = 2,
-    lines: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the Gluon forward on kernel-ready inputs (custom_op.py makes them so),
     q_block = kv_block = 128.
@@ -431,8 +421,7 @@ def attention_backward(
         layout_head_divisor=heads_q // layout_heads, qk_scale=softmax_scale * _env.LOG2_E,
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
-        NUM_STAGES=num_stages, GRAD_Q=not deterministic, LINES=lines, **masks.constexprs(),
-        num_warps=4,
+        NUM_STAGES=num_stages, GRAD_Q=not deterministic, **masks.constexprs(), num_warps=4,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if not deterministic:

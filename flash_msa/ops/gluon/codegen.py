@@ -99,7 +99,7 @@ def compile_forward(
 
 def compile_backward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    grad_q: bool = True, masks=None, lines: bool = True,
+    grad_q: bool = True, masks=None,
 ) -> dict:  # fmt: skip
     """Compile backward._backward_kernel for sm_90a (grad_q: dQ by atomics beside dK and
     dV) and report as compile_forward does."""
@@ -114,7 +114,7 @@ def compile_backward(
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32",
     )  # fmt: skip
-    constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q, LINES=lines, **masks.constexprs())
+    constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q, **masks.constexprs())
     mode = "atomic" if grad_q else "dkdv"
     name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{mode}{_mask_flags(masks)}"
     return _compile(backward._backward_kernel, types, constexprs, workdir, name)

@@ -505,7 +505,6 @@ def attention_backward(
     dkdv_kv_rows: int | None = None,
     dq_config: triton.Config | None = None,
     dkdv_config: triton.Config | None = None,
-    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of validated, kernel-ready inputs (custom_op.py makes them so).
 
@@ -517,7 +516,6 @@ def attention_backward(
         dq_query_rows, dkdv_query_rows: the most rows of a query tile of each kernel;
             dkdv_kv_rows: key rows of a dK/dV program (None: the configs module's choice).
         dq_config, dkdv_config: run these kernel configs instead of autotuning.
-        deterministic: either way (every element is written by one program).
 
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
