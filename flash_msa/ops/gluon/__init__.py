@@ -5,6 +5,7 @@ work, blocks cut by the causal diagonal, a window edge, a document boundary or a
 are masked in registers. The backward (backward.py) computes dK and dV over the transposed
 layout in Gluon and dQ with the Triton dQ kernel: deterministic, and faster than the
 backward's other mode (dQ by atomics beside dK and dV), which the registry does not take.
+Calls with documents take the Triton backward, faster there.
 It takes causal, window_size, documents and any sequence lengths; the registry passes what
 it refuses (dropout, per-token query masks, and what _check names) to the next backend.
 """
@@ -15,6 +16,7 @@ from flash_msa import _env
 from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import BLOCK_M, HEAD_DIMS, attention_forward, padded_length
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
+from flash_msa.ops.triton import attention_backward as triton_backward
 
 
 def _forward(
@@ -33,8 +35,14 @@ def _backward(
     grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
     **without_dropout,
 ):  # fmt: skip
-    """The registry's backward (deterministic: the faster of the two, measured); as
-    _forward."""
+    """The registry's backward (deterministic: the faster of its two modes, measured); as
+    _forward. With documents the Triton backward: its dK/dV kernel was the faster there
+    (docs/performance.md)."""
+    if document_ids is not None:
+        return triton_backward(
+            grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
+            softmax_scale=softmax_scale, document_ids=document_ids,
+        )  # fmt: skip
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids,
