@@ -8,7 +8,8 @@ forward's out and lse, it times (triton.testing.do_bench, median) the backward o
 - the Triton dQ kernel alone (with delta), which the Gluon backward's deterministic mode
   reuses; a backward's time less this one is its dK/dV part;
 - gluon, stages 2 and 3: Gluon dK/dV and the Triton dQ kernel (the gluon backend's);
-- gluon atomic dQ: one Gluon kernel, dQ added with atomics beside dK and dV.
+- gluon atomic dQ: one Gluon kernel, dQ added with TMA reduce-adds beside dK and dV
+  (per-element atomics up to eb74836).
 Each Gluon variant's gradients are compared with the Triton backward's (relative error).
 TFLOP/s: 2 * 128^3 per matmul per active block pair and head, over the matmuls of the part
 (a whole backward: the five of FlashAttention's count; dK/dV: four). DIR/gluon_backward.json

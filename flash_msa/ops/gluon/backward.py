@@ -15,8 +15,9 @@ of the layout (layout.transpose()), for every query head of its GQA group: only 
 
 dQ comes in one of two ways (GRAD_Q):
 - GRAD_Q: each consumer also computes its 64 keys' share of the half's dQ, dS K (dS^T
-  through shared memory), and adds it to an fp32 dQ buffer with atomics: five matmuls per
-  block pair, not bitwise reproducible (the order of the adds varies);
+  through shared memory), stages it in shared memory and adds it to an fp32 dQ buffer with
+  a TMA reduce-add, which the next step's matmuls hide: five matmuls per block pair, not
+  bitwise reproducible (the order of the adds varies);
 - not GRAD_Q: dK and dV only (four matmuls); dQ comes from the Triton dQ kernel, which
   walks the CSR rows (three more matmuls) and writes every element once: deterministic.
 
@@ -32,8 +33,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -143,28 +146,24 @@ def _query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, 
     return rows
 
 
-@gluon.jit
-def _add_grad_q(grad_q, dq, row, head, seq_len_q, heads_q, query_first):
-    """Atomically add dq [QUERY_ROWS, D] (fp32, MMA layout) to the rows query_first.. of
-    head `head` of grad_q (fp32 [B, S_q, H_q, D]; row = b * S_q + query_first)."""
-    ROWS: gl.constexpr = dq.type.shape[0]
-    HEAD_DIM: gl.constexpr = dq.type.shape[1]
-    layout: gl.constexpr = dq.type.layout
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [QUERY_ROWS]
-    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [D]
-    offsets = (gl.expand_dims(((row + rows).to(gl.int64) * heads_q + head) * HEAD_DIM, 1)
-               + gl.expand_dims(columns, 0))  # fmt: skip  # [QUERY_ROWS, D]
-    valid = gl.expand_dims(query_first + rows < seq_len_q, 1)
-    gl.atomic_add(grad_q + offsets, dq, mask=valid, sem="relaxed")
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile src to tensor_desc's block at coord with a TMA reduce
+    (cp.reduce.async.bulk.tensor .add; rows past the tensor's end are dropped); it completes
+    like a TMA store (tma.store_wait). The Gluon of this Triton has the op, not the call."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
 
 
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
     of those keys, and with GRAD_Q their share of dQ."""
-    (q_smem, do_smem, k_smem, v_smem, ds_smem, dk_desc, dv_desc, kv_ready, q_ready, q_empty,
-     do_ready, do_empty, lse, delta, grad_q, walk, heads_q, qk_scale, softmax_scale, bounds,
-     tail) = shared  # fmt: skip
+    (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, dk_desc, dv_desc, dq_desc, kv_ready,
+     q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q, qk_scale, softmax_scale,
+     bounds, tail) = shared  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -181,6 +180,7 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
     k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     ds_mine = ds_smem.index(HALF)  # [KEYS, QUERY_ROWS]
+    dq_mine = dq_smem.index(HALF)  # [QUERY_ROWS, D] fp32, on its way to dQ
     key_first = kv_block * (2 * KEYS) + HALF * KEYS
 
     mbarrier.wait(kv_ready.index(0), 0)
@@ -234,9 +234,12 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
                 mbarrier.arrive(q_empty.index(stage))
                 mbarrier.arrive(do_empty.index(stage))
-                q_row = batch * seq_len_q + query_first
-                _add_grad_q(grad_q, dq * softmax_scale, q_row, head, seq_len_q, heads_q,
-                            query_first)  # fmt: skip
+                # The previous step's reduce has read the tile before it is overwritten.
+                tma.store_wait(0)
+                dq_mine.store(dq * softmax_scale)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first, head * HEAD_DIM],
+                                dq_mine)  # fmt: skip
             else:
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(stage))
@@ -265,7 +268,7 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
 
 @gluon.jit
 def _backward_kernel(
-    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse, delta, grad_q, grad_k, grad_v,
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse, delta, grad_k, grad_v,
     t_row_offsets, t_col_indices, seq_len_q, seq_len_kv, heads_q, group, stride_layout,
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
     document_last, window_left, window_right, NUM_STAGES: gl.constexpr, GRAD_Q: gl.constexpr,
@@ -276,7 +279,8 @@ def _backward_kernel(
     ones are the heaviest). q_desc / do_desc: [B * S_q, H_q * D] in blocks [64, D]; k_desc,
     v_desc: [B * S_kv, H_kv * D] in blocks [128, D]; dk_desc / dv_desc: grad_k / grad_v's
     like views in blocks [64, D]. lse (natural log), delta = rowsum(dO * O): fp32
-    [B, H_q, S_q]; grad_q: fp32 [B, S_q, H_q, D], zeros, added to with GRAD_Q. The
+    [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32 [B * S_q, H_q * D] view of zeros in blocks
+    [64, D], added to (TMA reduce-add; rows past S_q get zeros added). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
     Masks as in the forward kernel."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -294,6 +298,10 @@ def _backward_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_ROWS // 2, ROWS], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, KV_ROWS // 2, ROWS], ds_layout)
+    if GRAD_Q:  # a tile of dQ per consumer on its way out: 64 KB at D = 128
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM], dq_desc.layout)
+    else:
+        dq_smem = ds_smem  # never read
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -314,9 +322,9 @@ def _backward_kernel(
     tail = (grad_k, grad_v, heads_q // group * HEAD_DIM)
     walk = (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q,
             seq_len_kv, stride_layout, layout_batch_stride, layout_head_divisor)  # fmt: skip
-    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, dk_desc, dv_desc, kv_ready, q_ready,
-              q_empty, do_ready, do_empty, lse, delta, grad_q, walk, heads_q, qk_scale,
-              softmax_scale, bounds, tail)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, dk_desc, dv_desc, dq_desc,
+              kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q,
+              qk_scale, softmax_scale, bounds, tail)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
@@ -379,8 +387,9 @@ def attention_backward(
         grad_out, q, k, v, out, lse, layout, causal, window_size, softmax_scale,
             document_ids: as in forward.attention_forward and its (out, lse).
         deterministic: dQ from the Triton dQ kernel (bitwise reproducible) rather than
-            atomics beside dK and dV (five matmuls per block pair instead of seven).
-        num_stages: depth of the Q / dO shared-memory ring.
+            TMA reduce-adds beside dK and dV (five matmuls per block pair instead of seven).
+        num_stages: depth of the Q / dO shared-memory ring (2 with deterministic=False,
+            whose dQ tiles take 64 KB of shared memory).
 
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
@@ -394,8 +403,13 @@ def attention_backward(
                    document_ids=document_ids)  # fmt: skip
     if deterministic:
         grad_q, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options)
-        accumulated = lse  # stands in (never written)
+        accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)  # never read
     else:
+        if num_stages > 2:
+            raise ValueError(
+                f"deterministic=False stages dQ in shared memory: num_stages must be 2, got "
+                f"{num_stages}"
+            )
         delta = row_delta(out, grad_out)
         accumulated = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -412,8 +426,9 @@ def attention_backward(
     _backward_kernel[grid](
         q_desc=_descriptor(q, QUERY_ROWS), do_desc=_descriptor(grad_out, QUERY_ROWS),
         k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
-        dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N), lse=lse,
-        delta=delta, grad_q=accumulated, grad_k=grad_k, grad_v=grad_v,
+        dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N),
+        dq_desc=_descriptor(accumulated, QUERY_ROWS), lse=lse, delta=delta, grad_k=grad_k,
+        grad_v=grad_v,
         t_row_offsets=transposed.row_offsets, t_col_indices=transposed.col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // heads_kv,
         stride_layout=transposed.row_offsets.stride(0),

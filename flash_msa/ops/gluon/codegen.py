@@ -35,7 +35,7 @@ def available() -> str | None:
 def _descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
     from triton.experimental.gluon import language as gl
 
-    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
     return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
@@ -110,7 +110,8 @@ def compile_backward(
                 v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N, dv_desc=backward.HALF_N)
     types = {name: _descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
     types.update(
-        lse="*fp32", delta="*fp32", grad_q="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
+        dq_desc=_descriptor_type("fp32", backward.QUERY_ROWS, head_dim), lse="*fp32",
+        delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32",
     )  # fmt: skip

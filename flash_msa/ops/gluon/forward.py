@@ -58,6 +58,8 @@ HALF_M = 64  # query rows of one consumer warpgroup
 BLOCK_N = 128  # keys of one layout block
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# TMA views: the inputs' dtypes and fp32 (the backward's dQ accumulator)
+VIEW_DTYPES = {**DTYPES, torch.float32: gl.float32}
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
 # setmaxnreg budgets: the program has 3 warpgroups (2 consumers + the producer's), 168
@@ -510,7 +512,7 @@ def _descriptor(tensor: torch.Tensor, rows: int) -> TensorDescriptor:
     blocks [rows, D]."""
     batch, seq_len, heads, head_dim = tensor.shape
     flat = tensor.view(batch * seq_len, heads * head_dim)
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], DTYPES[tensor.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], VIEW_DTYPES[tensor.dtype])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, head_dim], layout)
 
 
