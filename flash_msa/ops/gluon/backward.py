@@ -67,6 +67,8 @@ from flash_msa.ops.gluon.forward import (
     document_bounds,
     kernel_masks,
 )
+from flash_msa.ops.triton.backward import grad_q_and_delta
+from flash_msa.ops.triton.common import layout_arguments
 
 BLOCK_N = 128  # keys of one program (one layout block)
 HALF_N = 64  # keys of one consumer warpgroup
@@ -394,8 +396,6 @@ def attention_backward(
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
     """
-    from flash_msa.ops.triton.backward import grad_q_and_delta
-
     q, k, v, out, grad_out = (_rows_contiguous(t) for t in (q, k, v, out, grad_out))
     batch, seq_len_q, heads_q, head_dim = q.shape
     seq_len_kv, heads_kv = k.shape[1], k.shape[2]
@@ -421,7 +421,6 @@ def attention_backward(
     document_first, document_last = (
         (lse, lse) if document_ids is None else document_bounds(document_ids)
     )  # lse stands in (never read) without documents
-    layout_heads = layout.layout_heads
     grid = (transposed.row_offsets.shape[1] - 1, heads_kv, batch)
     _backward_kernel[grid](
         q_desc=_descriptor(q, QUERY_ROWS), do_desc=_descriptor(grad_out, QUERY_ROWS),
@@ -431,9 +430,8 @@ def attention_backward(
         grad_v=grad_v,
         t_row_offsets=transposed.row_offsets, t_col_indices=transposed.col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // heads_kv,
-        stride_layout=transposed.row_offsets.stride(0),
-        layout_batch_stride=layout_heads if layout.layout_batch > 1 else 0,
-        layout_head_divisor=heads_q // layout_heads, qk_scale=softmax_scale * _env.LOG2_E,
+        stride_layout=transposed.row_offsets.stride(0), **layout_arguments(layout, heads_q),
+        qk_scale=softmax_scale * _env.LOG2_E,
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
         NUM_STAGES=num_stages, GRAD_Q=not deterministic, **masks.constexprs(), num_warps=4,
