@@ -163,26 +163,29 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
     of those keys, and with GRAD_Q their share of dQ."""
-    (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, dk_desc, dv_desc, dq_desc, kv_ready,
-     q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q, qk_scale, softmax_scale,
-     bounds, tail) = shared  # fmt: skip
+    (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dk_desc, dv_desc, dq_desc,
+     kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q, qk_scale,
+     softmax_scale, bounds, tail) = shared  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
-    KEYS: gl.constexpr = ds_smem.type.shape[1]
+    KEYS: gl.constexpr = k_smem.type.shape[0] // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2  # dQ columns of one warpgroup
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(ROWS, dtype)  # [KEYS, QUERY_ROWS] accumulators
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)  # [64, D] accumulators
+    dq_layout: gl.constexpr = _mma_layout(HALF_D, dtype)  # [QUERY_ROWS, D / 2] accumulators
     operand: gl.constexpr = gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth
     )
     columns: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
-    ds_mine = ds_smem.index(HALF)  # [KEYS, QUERY_ROWS]
-    dq_mine = dq_smem.index(HALF)  # [QUERY_ROWS, D] fp32, on its way to dQ
+    # dQ's columns HALF * D / 2 .. of the tile's keys: K [2 * KEYS, D / 2] in two halves.
+    k_upper = k_smem.slice(0, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
+    k_lower = k_smem.slice(KEYS, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
     key_first = kv_block * (2 * KEYS) + HALF * KEYS
 
     mbarrier.wait(kv_ready.index(0), 0)
@@ -225,24 +228,40 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
                                     False, columns)  # fmt: skip  # [QUERY_ROWS]
             dp = warpgroup_mma_wait(1, deps=(dp,))
             ds = p * (dp - gl.expand_dims(row_delta, 0))  # [KEYS, QUERY_ROWS]
-            dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
-                               is_async=True)  # fmt: skip
             if GRAD_Q:
+                # Both warpgroups' dS^T halves go to shared memory (two buffers, alternating
+                # by step: a warpgroup rewrites one only after the other has passed the next
+                # step's barrier, so after its matmuls of this one have completed). dK takes
+                # this warpgroup's from there; then each warpgroup computes half of dQ's
+                # columns over all 128 keys, dS [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2]:
+                # one fp32 tile is added per query half and kv tile.
+                buffer = step % 2
+                ds_mine = ds_smem.index(2 * buffer + HALF)  # [KEYS, QUERY_ROWS]
                 ds_mine.store(ds.to(dtype))
                 fence_async_shared()
-                dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-                dq = warpgroup_mma(ds_mine.permute((1, 0)), k_mine, dq, use_acc=False,
-                                   is_async=True)  # fmt: skip  # [QUERY_ROWS, D]
+                gl.thread_barrier()
+                mbarrier.arrive(ds_ready.index(buffer))
+                dk = warpgroup_mma(ds_mine, q_tile, dk, is_async=True)
+                mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
+                dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
+                dq = warpgroup_mma(ds_smem.index(2 * buffer).permute((1, 0)), k_upper, dq,
+                                   use_acc=False, is_async=True)  # fmt: skip
+                dq = warpgroup_mma(ds_smem.index(2 * buffer + 1).permute((1, 0)), k_lower, dq,
+                                   is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
                 mbarrier.arrive(q_empty.index(stage))
                 mbarrier.arrive(do_empty.index(stage))
-                # The previous step's reduce has read the tile before it is overwritten.
-                tma.store_wait(0)
-                dq_mine.store(dq * softmax_scale)
+                # The reduce from this buffer, two steps back, has read it.
+                tma.store_wait(1)
+                dq_tile = dq_smem.index(2 * HALF + buffer)  # [QUERY_ROWS, D / 2] fp32
+                dq_tile.store(dq * softmax_scale)
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first, head * HEAD_DIM],
-                                dq_mine)  # fmt: skip
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
+                                          head * HEAD_DIM + HALF * HALF_D], dq_tile)  # fmt: skip
             else:
+                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
+                                   is_async=True)  # fmt: skip
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(stage))
                 mbarrier.arrive(do_empty.index(stage))
@@ -298,12 +317,21 @@ def _backward_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_ROWS // 2, ROWS], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, KV_ROWS // 2, ROWS], ds_layout)
-    if GRAD_Q:  # a tile of dQ per consumer on its way out: 64 KB at D = 128
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM], dq_desc.layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if GRAD_Q:
+        # dS^T of both warpgroups [2 * buffer + warpgroup, 64 keys, 64 queries], two buffers
+        # (32 KB); a consumer's dQ tiles [64, D / 2] fp32 on their way out, two each (64 KB at
+        # D = 128).
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_ROWS // 2, ROWS],
+                                                                       dtype)  # fmt: skip
+        ds_smem = gl.allocate_shared_memory(dtype, [4, KV_ROWS // 2, ROWS], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, HEAD_DIM // 2],
+                                            dq_desc.layout)  # fmt: skip
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer warpgroup
     else:
-        dq_smem = ds_smem  # never read
+        ds_smem = ds_ready  # never read
+        dq_smem = ds_ready
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -324,8 +352,8 @@ def _backward_kernel(
     tail = (grad_k, grad_v, heads_q // group * HEAD_DIM)
     walk = (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q,
             seq_len_kv, stride_layout, layout_batch_stride, layout_head_divisor)  # fmt: skip
-    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, dk_desc, dv_desc, dq_desc,
-              kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q,
+    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dk_desc, dv_desc,
+              dq_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q,
               qk_scale, softmax_scale, bounds, tail)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
@@ -426,8 +454,8 @@ def attention_backward(
         q_desc=_descriptor(q, QUERY_ROWS), do_desc=_descriptor(grad_out, QUERY_ROWS),
         k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
         dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N),
-        dq_desc=_descriptor(accumulated, QUERY_ROWS), lse=lse, delta=delta, grad_k=grad_k,
-        grad_v=grad_v,
+        dq_desc=_descriptor(accumulated, QUERY_ROWS, head_dim // 2), lse=lse, delta=delta,
+        grad_k=grad_k, grad_v=grad_v,
         t_row_offsets=transposed.row_offsets, t_col_indices=transposed.col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // heads_kv,
         stride_layout=transposed.row_offsets.stride(0), **layout_arguments(layout, heads_q),

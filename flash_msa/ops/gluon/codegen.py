@@ -110,7 +110,7 @@ def compile_backward(
                 v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N, dv_desc=backward.HALF_N)
     types = {name: _descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
     types.update(
-        dq_desc=_descriptor_type("fp32", backward.QUERY_ROWS, head_dim), lse="*fp32",
+        dq_desc=_descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
         delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32",

@@ -507,13 +507,14 @@ def shared_memory_need(head_dim: int, num_stages: int, element_size: int = 2) ->
     return BLOCK_M * head_dim * element_size + 2 * num_stages * tile + 1024
 
 
-def _descriptor(tensor: torch.Tensor, rows: int) -> TensorDescriptor:
+def _descriptor(tensor: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
     """A 2-D TMA view [B * S, H * D] of a [B, S, H, D] tensor with contiguous rows, in
-    blocks [rows, D]."""
+    blocks [rows, columns] (columns: D unless given)."""
     batch, seq_len, heads, head_dim = tensor.shape
+    block = [rows, columns or head_dim]
     flat = tensor.view(batch * seq_len, heads * head_dim)
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], VIEW_DTYPES[tensor.dtype])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, head_dim], layout)
+    layout = gl.NVMMASharedLayout.get_default_for(block, VIEW_DTYPES[tensor.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
 def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
