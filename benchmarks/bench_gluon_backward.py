@@ -7,10 +7,11 @@ forward's out and lse, it times (triton.testing.do_bench, median) the backward o
 - triton: the Triton backward (dQ kernel over the rows, dK/dV kernel over the columns);
 - the Triton dQ kernel alone (with delta), which the Gluon backward's deterministic mode
   reuses; a backward's time less this one is its dK/dV part;
-- gluon: Gluon dK/dV and the Triton dQ kernel (the gluon backend's; 3 stages measured the
-  same as 2 at eb74836);
-- gluon atomic dQ: one Gluon kernel, dQ added with TMA reduce-adds beside dK and dV
-  (per-element atomics up to eb74836).
+- gluon: Gluon dK/dV and the Triton dQ kernel (grad_q="triton", the gluon backend's
+  deterministic mode; 3 stages measured the same as 2 at eb74836);
+- gluon ordered dQ / atomic dQ: one Gluon kernel, dQ beside dK and dV, added with TMA
+  reduce-adds in each query half's kv order / in any order (grad_q="ordered" / "atomic";
+  the "atomic" mode is the backend's deterministic=False).
 Each Gluon variant's gradients are compared with the Triton backward's (relative error).
 TFLOP/s: 2 * 128^3 per matmul per active block pair and head, over the matmuls of the part
 (a whole backward: the five of FlashAttention's count; dK/dV: four). DIR/gluon_backward.json
@@ -43,8 +44,9 @@ from flash_msa.testing import relative_error
 DEFAULT_CASES = "causal-32k,window-128k,topk16-128k"
 # label -> gluon_backward.attention_backward options
 GLUON_VARIANTS = {
-    "gluon, 2 stages": dict(num_stages=2),
-    "gluon, atomic dQ": dict(deterministic=False),
+    "gluon": dict(grad_q="triton"),
+    "gluon, ordered dQ": dict(grad_q="ordered"),
+    "gluon, atomic dQ": dict(grad_q="atomic"),
 }
 
 
@@ -88,7 +90,7 @@ def run_case(name: str, device) -> list[dict]:
             ms = bench(lambda variant=variant: gluon_backward.attention_backward(
                 grad_out, q, k, v, out, lse, layout, **options, **variant))  # fmt: skip
             record.update(bwd_ms=round(ms, 3), bwd_tflops=tflops(ms, 5))
-            if variant.get("deterministic", True):
+            if variant["grad_q"] == "triton":
                 record.update(dkdv_ms=round(ms - dq_ms, 3), dkdv_tflops=tflops(ms - dq_ms, 4))
         except Exception as error:  # a variant's failure is recorded, not fatal
             record["error"] = failure(error)

@@ -155,7 +155,8 @@ FIELD_LABELS = {
     "head_dims_text": "head dims",
     "min_capability": "compute capability",
     "documents": "document masks",
-    "deterministic": "deterministic backward",
+    "deterministic": "deterministic backward on",
+    "nondeterministic_backward": "faster backward with deterministic=False",
 }
 
 
@@ -175,6 +176,13 @@ def _describe_field(name: str, value) -> str:
     else:
         text = str(value)
     return f"{label} {text}"
+
+
+def _field_value(backend, name: str):
+    """A Backend field's value as info lists it (whether a backend has the optional
+    backward, not the function)."""
+    value = getattr(backend, name)
+    return value is not None if name == "nondeterministic_backward" else value
 
 
 def info(args: argparse.Namespace) -> int:
@@ -226,9 +234,9 @@ def info(args: argparse.Namespace) -> int:
     for name in registry.names():
         backend = registry.get(name)
         fields = [
-            _describe_field(field.name, getattr(backend, field.name))
+            _describe_field(field.name, _field_value(backend, field.name))
             for field in dataclasses.fields(backend)
-            if field.name != "name" and not callable(getattr(backend, field.name))
+            if field.name != "name" and not callable(_field_value(backend, field.name))
         ]
         refusal = backend.refusal(call)
         print(f"  {name}: " + "; ".join(fields))

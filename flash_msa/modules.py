@@ -85,7 +85,9 @@ class FlashSparseAttention(_ProjectedAttention):
     pattern(seq_len, block_size=..., device=...) and cached per length and device,
     e.g. functools.partial(flash_msa.patterns.sliding_window, window=4096). A builder runs
     eagerly on the first call at a length: under torch.compile(fullgraph=True), call the
-    layer once before compiling, or pass a BlockLayout.
+    layer once before compiling, or pass a BlockLayout. deterministic: as in
+    block_sparse_attn_func (False: a faster backward where the backend has one, its sums in
+    a varying order; the context-parallel path's backward is the reproducible one).
 
     With cp_group (a torch.distributed process group: context parallelism), forward(x,
     cp_plan=plan) takes this rank's shard x [B, S_local, embed_dim] of the plan;
@@ -105,6 +107,7 @@ class FlashSparseAttention(_ProjectedAttention):
         window_size: tuple[int, int] = (-1, -1),
         bias: bool = False,
         backend: str = "auto",
+        deterministic: bool = True,
         cp_group=None,
         cp_balance: str = "auto",
         device=None,
@@ -117,11 +120,12 @@ class FlashSparseAttention(_ProjectedAttention):
                 f"pattern must be a BlockLayout or a builder, got {type(pattern).__name__}"
             )
         check_block_size("block_size", block_size)
-        check_options(causal, window_size, None, 0.0, False)
+        check_options(causal, window_size, None, 0.0, deterministic)
         if backend != "auto":
             registry.get(backend)
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
+        self.deterministic = deterministic
         self.cp_group, self.cp_balance = cp_group, cp_balance
         self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
         self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
@@ -155,7 +159,8 @@ class FlashSparseAttention(_ProjectedAttention):
         _check_cp_plan(self.cp_group, cp_plan)
         if cp_plan is None:
             layout = self.layout_for(seq_len, x.device)
-            out = block_sparse_attn_func(q, k, v, layout, **options)
+            out = block_sparse_attn_func(q, k, v, layout, **options,
+                                         deterministic=self.deterministic)  # fmt: skip
         else:
             out = distributed.block_sparse_attn_cp(q, k, v, cp_plan, group=self.cp_group, **options)
         return self.out_proj(out.reshape(batch, seq_len, -1))

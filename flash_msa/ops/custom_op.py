@@ -59,6 +59,7 @@ def _forward(
     dropout_p: float,
     dropout_seed: int,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
@@ -102,6 +103,7 @@ def _backward(
     dropout_p: float,
     dropout_seed: int,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
@@ -110,7 +112,11 @@ def _backward(
                        q_block_positions, kv_block_positions, position_seq_len, query_masks,
                        t_query_masks, dropout_p, dropout_seed)  # fmt: skip
     grad_out = _unit_last_stride(grad_out)
-    return registry.get(backend).backward(grad_out, q, k, v, out, lse, layout, **options)
+    entry = registry.get(backend)
+    backward = entry.backward
+    if not deterministic and entry.nondeterministic_backward is not None:
+        backward = entry.nondeterministic_backward
+    return backward(grad_out, q, k, v, out, lse, layout, **options)
 
 
 @_backward.register_fake
@@ -121,8 +127,8 @@ def _(grad_out, q, k, v, *rest):
 def _setup_context(ctx, inputs, output):
     (q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
      q_block_positions, kv_block_positions, position_seq_len, query_masks, t_query_masks, sizes,
-     causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
-     backend) = inputs  # fmt: skip
+     causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed, backend,
+     deterministic) = inputs  # fmt: skip
     out, lse = output
     ctx.save_for_backward(
         q, k, v, out, lse, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
@@ -131,7 +137,7 @@ def _setup_context(ctx, inputs, output):
     ctx.options = dict(
         position_seq_len=position_seq_len, sizes=sizes, causal=causal, window_left=window_left,
         window_right=window_right, softmax_scale=softmax_scale, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, backend=backend,
+        dropout_seed=dropout_seed, backend=backend, deterministic=deterministic,
     )  # fmt: skip
     ctx.mark_non_differentiable(lse)
 
@@ -146,7 +152,7 @@ def _autograd_backward(ctx, grad_out, _grad_lse):
         q_block_positions=q_block_positions, kv_block_positions=kv_block_positions,
         query_masks=query_masks, t_query_masks=t_query_masks, **ctx.options,
     )  # fmt: skip
-    return (dq, dk, dv) + (None,) * 18
+    return (dq, dk, dv) + (None,) * 19
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -233,12 +239,12 @@ class _SparseAttention(torch.autograd.Function):
     def forward(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
                 q_block_positions, kv_block_positions, position_seq_len, query_masks,
                 t_query_masks, sizes, causal, window_left, window_right, softmax_scale,
-                dropout_p, dropout_seed, backend):  # fmt: skip
+                dropout_p, dropout_seed, backend, deterministic):  # fmt: skip
         return _forward(
             q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, document_ids,
             q_block_positions, kv_block_positions, position_seq_len, query_masks, t_query_masks,
             sizes, causal, window_left, window_right, softmax_scale, dropout_p, dropout_seed,
-            backend,
+            backend, deterministic,
         )  # fmt: skip
 
     setup_context = staticmethod(_setup_context)
@@ -278,11 +284,13 @@ def sparse_attention(
     dropout_seed: int,
     positions: BlockPositions | None = None,
     query_masks: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of validated inputs on a registered backend, differentiable in q, k, v;
     positions place the layout's blocks in a longer sequence (BlockPositions); query_masks,
     int64 [layout.nnz] aligned with layout.col_indices, keep key j of an active block for
-    query i where bit i % q_block of the pair's word is set."""
+    query i where bit i % q_block of the pair's word is set; deterministic=False lets the
+    backward be the backend's nondeterministic one, where it has one."""
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     (document_ids, q_block_positions, kv_block_positions, position_seq_len, query_masks,
      t_query_masks) = _side_tensors(document_ids, positions, query_masks, layout)  # fmt: skip
@@ -296,7 +304,7 @@ def sparse_attention(
         q, k, v, tensors["row_offsets"], tensors["col_indices"], tensors["t_row_offsets"],
         tensors["t_col_indices"], document_ids, q_block_positions, kv_block_positions,
         position_seq_len, query_masks, t_query_masks, tensors["sizes"], causal, window_size[0],
-        window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
+        window_size[1], softmax_scale, dropout_p, dropout_seed, backend, deterministic,
     )  # fmt: skip
 
 
@@ -318,11 +326,13 @@ def sparse_attention_backward(
     dropout_seed: int,
     positions: BlockPositions | None = None,
     query_masks: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of sparse_attention's inputs for grad_out, given out and lse. out and
     lse may be those of a softmax over more keys than this call's (the merge of several
     calls over disjoint key sets): the gradients are then those of this call's keys, as in
-    FlashAttention's backward, and dq adds up over the calls."""
+    FlashAttention's backward, and dq adds up over the calls. deterministic as in
+    sparse_attention."""
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
     (document_ids, q_block_positions, kv_block_positions, position_seq_len, query_masks,
      t_query_masks) = _side_tensors(document_ids, positions, query_masks, layout)  # fmt: skip
@@ -332,4 +342,5 @@ def sparse_attention_backward(
         tensors["t_row_offsets"], tensors["t_col_indices"], document_ids, q_block_positions,
         kv_block_positions, position_seq_len, query_masks, t_query_masks, tensors["sizes"],
         causal, window_size[0], window_size[1], softmax_scale, dropout_p, dropout_seed, backend,
+        deterministic,
     )  # fmt: skip

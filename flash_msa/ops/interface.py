@@ -257,12 +257,15 @@ def _attention(
     document_ids, positions, query_masks,
 ):  # fmt: skip
     """Dispatch of validated inputs through the registry: (out, lse)."""
+    # Only a call that autograd will differentiate needs a reproducible backward.
+    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     call = registry.AttentionCall(
         device=q.device, dtype=q.dtype, head_dim=q.shape[-1], q_block=layout.q_block,
         kv_block=layout.kv_block, dropout=dropout_p > 0, documents=document_ids is not None,
-        deterministic=deterministic, element_masks=causal or max(window_size) >= 0,
-        seq_len_q=q.shape[1], seq_len_kv=k.shape[1], batch=q.shape[0], heads_q=q.shape[2],
-        heads_kv=k.shape[2], layout_heads=layout.layout_heads, positions=positions is not None,
+        deterministic=deterministic and needs_backward,
+        element_masks=causal or max(window_size) >= 0, seq_len_q=q.shape[1],
+        seq_len_kv=k.shape[1], batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2],
+        layout_heads=layout.layout_heads, positions=positions is not None,
         query_masks=query_masks is not None,
     )  # fmt: skip
     chosen = registry.select(call, backend)
@@ -276,6 +279,7 @@ def _attention(
         q, k, v, layout, backend=chosen.name, causal=causal, window_size=window_size,
         softmax_scale=scale, document_ids=document_ids, dropout_p=float(dropout_p),
         dropout_seed=seed, positions=positions, query_masks=query_masks,
+        deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -291,7 +295,7 @@ def block_sparse_attn_func(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
-    deterministic: bool = False,
+    deterministic: bool = True,
     document_ids: torch.Tensor | None = None,
     positions: BlockPositions | None = None,
     query_masks: torch.Tensor | None = None,
@@ -313,7 +317,10 @@ def block_sparse_attn_func(
         return_lse: also return the log-sum-exp of the scores.
         backend: "auto" (the fastest backend that supports the call) or a registered name
             ("triton", "torch", ...); see flash_msa.ops.registry.
-        deterministic: refuse backends whose backward is not bitwise reproducible.
+        deterministic: a bitwise reproducible backward (the default): backends with a faster
+            backward whose sums come in a varying order (gluon's, dQ by atomics) take it
+            only with deterministic=False, and those with no reproducible backward on the
+            device (torch on CUDA) are refused for calls that need a backward.
         document_ids: int [B, S] (non-decreasing along S, S_q == S_kv): keep pairs of one
             document.
         positions: a BlockPositions placing the layout's blocks in a longer sequence (context
@@ -365,7 +372,7 @@ def block_sparse_attn_varlen_func(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
-    deterministic: bool = False,
+    deterministic: bool = True,
     positions: BlockPositions | None = None,
     query_masks: torch.Tensor | None = None,
 ):

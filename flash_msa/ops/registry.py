@@ -33,7 +33,7 @@ class AttentionCall:
     kv_block: int
     dropout: bool
     documents: bool
-    deterministic: bool  # the caller asks for a bitwise reproducible backward
+    deterministic: bool  # the caller asks for a bitwise reproducible backward (and needs one)
     element_masks: bool  # causal or a window bound: blocks may be partial
     seq_len_q: int
     seq_len_kv: int
@@ -99,7 +99,10 @@ class Backend:
     dropout: bool = True
     documents: bool = True
     query_masks: bool = True
-    deterministic: bool = True
+    deterministic: tuple[str, ...] = ("cpu", "cuda")  # devices of a reproducible backward
+    # A faster backward, same arguments, whose sums may come in a varying order (atomics):
+    # taken when the caller passes deterministic=False.
+    nondeterministic_backward: Callable | None = None
     check: Callable[[AttentionCall], Refusal | None] = field(default=lambda call: None)
 
     def refusal(self, call: AttentionCall) -> Refusal | None:
@@ -130,8 +133,11 @@ class Backend:
             return Refusal(f"{name} has no document masks")
         if call.query_masks and not self.query_masks:
             return Refusal(f"{name} has no per-token query masks (query_masks=)")
-        if call.deterministic and not self.deterministic:
-            return Refusal(f"{name} has no bitwise deterministic backward")
+        if call.deterministic and device not in self.deterministic:
+            return Refusal(
+                f"{name}'s backward on {device} is not bitwise reproducible: pass "
+                "deterministic=False"
+            )
         return self.check(call)
 
 

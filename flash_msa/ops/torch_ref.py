@@ -6,9 +6,9 @@ inputs), as the kernels do. The backward recomputes the forward under autograd. 
 draws the Triton kernels' bits: Philox4x32-10 under the call's seed with counter (key
 position, query position, query head, batch), computed in int64 arithmetic, so both
 backends drop the same weights, in any chunking, forward and backward. Its backward
-is not bitwise reproducible (CPU reductions may reorder between runs, about 1e-7 apart): the
-registry says so, and block_sparse_attn_func(..., deterministic=True) refuses this backend.
-The Triton kernels' backward is reproducible (no atomics).
+is bitwise reproducible on the CPU; on CUDA the vjp of its gathers adds with atomics, so
+block_sparse_attn_func(..., deterministic=True) refuses it there for calls that need a
+backward.
 """
 
 from __future__ import annotations
@@ -257,5 +257,5 @@ BACKEND = Backend(
     head_dims_text=">= 1",
     block_sizes=BLOCK_SIZES,
     q_block_sizes=LAYOUT_BLOCK_SIZES,
-    deterministic=False,  # CPU reductions may reorder between runs
+    deterministic=("cpu",),  # CUDA's index_add (the vjp of a gather) adds with atomics
 )

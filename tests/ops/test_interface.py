@@ -108,7 +108,6 @@ CASES = [
     ({}, {"window_size": (True, False)}, ValueError, r"window_size must be \(left, right\)"),
     ({}, {"dropout_p": False}, ValueError, "dropout_p must be a float"),
     ({}, {"deterministic": 1}, TypeError, "deterministic must be a bool, got int"),
-    ({}, {"deterministic": True}, ValueError, "torch has no bitwise deterministic backward"),
     ({}, {"backend": 3}, TypeError, "backend must be a str, got int"),
     ({}, {"dropout_p": 1.5}, ValueError, r"dropout_p must be a float in \[0, 1\), got 1.5"),
     ({}, {"backend": "cuda"}, ValueError, "backend must be 'auto' or one of .* got 'cuda'"),
@@ -250,16 +249,15 @@ def test_a_window_longer_than_the_sequences_is_unbounded(backend):
     assert torch.equal(huge, unbounded)
 
 
-@needs_interpreter
-def test_deterministic_triton_gradients_are_bitwise_equal():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_gradients_are_bitwise_equal(backend):
     layout = patterns.bigbird(128, 32, 32, 1, block_size=32)
     q, k, v = random_qkv(2, 128, 4, 16, heads_kv=2, seed=16)
     grad_out = torch.randn(2, 128, 4, 16, generator=torch.Generator().manual_seed(17))
     first, second = (
-        attention_with_grads(q, k, v, layout, grad_out, causal=True, backend="triton",
-                             deterministic=True)  # fmt: skip
+        attention_with_grads(q, k, v, layout, grad_out, causal=True, backend=backend)
         for _ in range(2)
-    )
+    )  # deterministic=True is the default
     for one, two in zip(first, second, strict=True):
         assert torch.equal(one, two)
 

@@ -88,6 +88,40 @@ def test_a_call_no_backend_supports_names_each_refusal(monkeypatch, fake_backend
         assert f"{name} takes float32, not float64" in message
 
 
+def test_deterministic_picks_the_backward_and_refuses_only_calls_that_need_one(fake_backend):
+    """deterministic=False takes a backend's nondeterministic backward; the default refuses
+    a backend with no reproducible backward on the device, unless nothing needs gradients."""
+    backend, calls = fake_backend
+
+    def fast_backward(grad_out, q, k, v, out, lse, layout, **options):
+        calls.append(("fast backward", options))
+        return torch_ref.attention_backward(grad_out, q, k, v, out, lse, layout, **options)
+
+    atomic = dataclasses.replace(backend, name="atomic", nondeterministic_backward=fast_backward)
+    registry.register(atomic)
+    irreproducible = dataclasses.replace(backend, name="irreproducible", deterministic=())
+    registry.register(irreproducible)
+    try:
+        q, k, v = random_qkv(1, 64, 2, 16, requires_grad=True)
+        for deterministic, taken in ((True, "backward"), (False, "fast backward")):
+            calls.clear()
+            out = block_sparse_attn_func(q, k, v, LAYOUT, causal=True, backend="atomic",
+                                         deterministic=deterministic)  # fmt: skip
+            out.sum().backward()
+            assert [name for name, _ in calls] == ["forward", taken]
+        with pytest.raises(ValueError, match="irreproducible's backward on cpu is not bitwise "
+                                             "reproducible: pass deterministic=False"):  # fmt: skip
+            block_sparse_attn_func(q, k, v, LAYOUT, backend="irreproducible")
+        block_sparse_attn_func(q, k, v, LAYOUT, backend="irreproducible", deterministic=False)
+        with torch.no_grad():  # no backward: nothing to reproduce
+            block_sparse_attn_func(q, k, v, LAYOUT, backend="irreproducible")
+        detached = [t.detach() for t in (q, k, v)]
+        block_sparse_attn_func(*detached, LAYOUT, backend="irreproducible")
+    finally:
+        registry.unregister("atomic")
+        registry.unregister("irreproducible")
+
+
 def test_registration_rules(fake_backend):
     backend, _ = fake_backend
     assert "fake" in registry.names()
@@ -98,13 +132,19 @@ def test_registration_rules(fake_backend):
         registry.get("cuda")
 
 
-def test_the_declared_support_of_the_real_backends():
+def test_the_declared_support_of_the_real_backends(monkeypatch):
+    monkeypatch.setattr(_env, "capability", lambda device: None)  # no GPU needed for "cuda"
     call = registry.AttentionCall(
         device=torch.device("cpu"), dtype=torch.float32, head_dim=64, q_block=64, kv_block=128,
         dropout=True, documents=True, deterministic=True, element_masks=True, seq_len_q=1000,
         seq_len_kv=1000, batch=1, heads_q=8, heads_kv=2, layout_heads=2,
     )  # fmt: skip
-    assert "torch has no bitwise deterministic backward" in registry.get("torch").refusal(call)[0]
+    assert registry.get("torch").refusal(call) is None  # reproducible on the CPU
+    on_cuda = dataclasses.replace(call, device=torch.device("cuda"))
+    assert registry.get("torch").refusal(on_cuda).reason == (
+        "torch's backward on cuda is not bitwise reproducible: pass deterministic=False"
+    )
+    assert registry.get("torch").refusal(dataclasses.replace(on_cuda, deterministic=False)) is None
     half_on_cpu = dataclasses.replace(call, dtype=torch.bfloat16)
     refusal = registry.get("triton").refusal(half_on_cpu)  # interpreted bf16, or no interpreter
     assert refusal is not None

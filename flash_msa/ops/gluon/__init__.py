@@ -3,12 +3,15 @@
 The forward is warp-specialised over 128 x 128 blocks (forward.py): full blocks take no mask
 work, blocks cut by the causal diagonal, a window edge, a document boundary or a ragged end
 are masked in registers. The backward (backward.py) computes dK and dV over the transposed
-layout in Gluon and dQ with the Triton dQ kernel: deterministic, and faster than the
-backward's other mode (dQ by atomics beside dK and dV), which the registry does not take.
-Calls with documents take the Triton backward, faster there.
+layout in Gluon and dQ with the Triton dQ kernel: deterministic. With deterministic=False
+the call takes the faster "atomic" mode: dQ beside dK and dV in the one kernel, added with
+TMA reduce-adds in a varying order. Calls with documents take the Triton
+backward, faster there.
 It takes causal, window_size, documents and any sequence lengths; the registry passes what
 it refuses (dropout, per-token query masks, and what _check names) to the next backend.
 """
+
+import functools
 
 import torch
 
@@ -33,20 +36,20 @@ def _forward(
 
 def _backward(
     grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
-    **without_dropout,
+    deterministic=True, **without_dropout,
 ):  # fmt: skip
-    """The registry's backward (deterministic: the faster of its two modes, measured); as
-    _forward. With documents the Triton backward: its dK/dV kernel was the faster there
+    """The registry's backward: backward.attention_backward with grad_q "triton" (the
+    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward.
+    With documents the Triton backward: its dK/dV kernel was the faster there
     (docs/performance.md)."""
+    options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                   document_ids=document_ids)  # fmt: skip
     if document_ids is not None:
-        return triton_backward(
-            grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
-            softmax_scale=softmax_scale, document_ids=document_ids,
-        )  # fmt: skip
+        return triton_backward(grad_out, q, k, v, out, lse, layout, **options)
     return backward.attention_backward(
-        grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
-        softmax_scale=softmax_scale, document_ids=document_ids,
-    )  # fmt: skip
+        grad_out, q, k, v, out, lse, layout, **options,
+        grad_q="triton" if deterministic else "atomic",
+    )
 
 
 def _check(call: AttentionCall) -> Refusal | None:
@@ -65,6 +68,7 @@ BACKEND = Backend(
     name="gluon",
     forward=_forward,
     backward=_backward,
+    nondeterministic_backward=functools.partial(_backward, deterministic=False),
     speed={"cuda": 20},
     devices=("cuda",),
     min_capability=(9, 0),

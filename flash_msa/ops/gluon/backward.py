@@ -30,6 +30,8 @@ q_block = kv_block = 128, D in {64, 128}, fp16 or bf16.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -159,13 +161,83 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     )
 
 
+class GradQMode(NamedTuple):
+    fused: bool  # dQ in the kernel, beside dK and dV
+    ordered: bool  # its adds in kv order (bitwise reproducible)
+
+
+@gluon.constexpr_function
+def _grad_q_mode(fused, ordered):
+    return GradQMode(fused, ordered)
+
+
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.constexpr):
+def _ptx(value, INSTRUCTIONS: gl.constexpr):
+    """Run the PTX INSTRUCTIONS in every thread, in order with the code around them; value:
+    an i32 the asm passes through (inline asm must have an operand and a result)."""
+    return gl.inline_asm_elementwise(INSTRUCTIONS + " mov.b32 $0, $1;", "=r,r", [value],
+                                     dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _dq_writer(writes, MODE: gl.constexpr):
+    """One warp (with MODE.fused; else none of its work): each step, the consumers' two dQ
+    tiles [QUERY_ROWS, D / 2] fp32 added into dQ with TMA reduce-adds, then their slots
+    freed. MODE.ordered: the adds into a query half come in the order of its kv blocks, so dQ is
+    bitwise reproducible: an i32 counter per (batch, query head, query half) counts the kv
+    blocks added so far, and the kv block of entry e of the column waits for it to reach
+    turns[e] (its place in its query block's row), adds once the count is reached, waits for
+    its adds to complete and counts itself."""
+    if MODE.fused:
+        dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, turns = writes
+        (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
+         stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
+        ROWS: gl.constexpr = dq_smem.type.shape[1]
+        HALF_D: gl.constexpr = dq_smem.type.shape[2]
+        halves = 2 * ((seq_len_q + 2 * ROWS - 1) // (2 * ROWS))  # query halves of a head
+        step = 0
+        for member in range(group):
+            head = kv_head * group + member
+            start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
+                                 layout_batch_stride, layout_head_divisor)  # fmt: skip
+            for half_block in range(2 * start, 2 * end):
+                query_first = _query_first(t_col_indices, half_block, ROWS)
+                buffer = step % 2
+                if MODE.ordered:
+                    counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
+                               + query_first // ROWS)  # fmt: skip
+                    turn = gl.load(turns + half_block // 2)
+                    seen = gl.load(counter, volatile=True)
+                    while seen != turn:
+                        seen = gl.load(counter, volatile=True)
+                    # Acquire: the earlier kv blocks' adds are seen, by the TMA unit too.
+                    _ptx(turn, "fence.acq_rel.gpu; fence.proxy.async.global;")
+                for half in gl.static_range(2):
+                    slot = 2 * half + buffer
+                    mbarrier.wait(dq_full.index(slot), (step // 2) & 1)
+                    _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
+                                              head * 2 * HALF_D + half * HALF_D],
+                                    dq_smem.index(slot))  # fmt: skip
+                if MODE.ordered:
+                    # Release once the adds are complete (not only read from shared memory).
+                    _ptx(turn, "cp.async.bulk.wait_group 0; fence.proxy.async.global; "
+                               "fence.acq_rel.gpu;")  # fmt: skip
+                    gl.thread_barrier()
+                    gl.store(counter, turn + 1)
+                else:
+                    tma.store_wait(0)
+                for half in gl.static_range(2):
+                    mbarrier.arrive(dq_empty.index(2 * half + buffer))
+                step += 1
+
+
+@gluon.jit
+def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
-    of those keys, and with GRAD_Q their share of dQ."""
-    (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dk_desc, dv_desc, dq_desc,
-     kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q, qk_scale,
-     softmax_scale, bounds, tail) = shared  # fmt: skip
+    of those keys, and with MODE.fused their share of dQ."""
+    (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dk_desc,
+     dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q,
+     qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -228,37 +300,37 @@ def _consumer(shared, HALF: gl.constexpr, GRAD_Q: gl.constexpr, MASKS: gl.conste
                                     False, columns)  # fmt: skip  # [QUERY_ROWS]
             dp = warpgroup_mma_wait(1, deps=(dp,))
             ds = p * (dp - gl.expand_dims(row_delta, 0))  # [KEYS, QUERY_ROWS]
-            if GRAD_Q:
+            if MODE.fused:
                 # Both warpgroups' dS^T halves go to shared memory (two buffers, alternating
                 # by step: a warpgroup rewrites one only after the other has passed the next
-                # step's barrier, so after its matmuls of this one have completed). dK takes
-                # this warpgroup's from there; then each warpgroup computes half of dQ's
-                # columns over all 128 keys, dS [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2]:
-                # one fp32 tile is added per query half and kv tile.
+                # step's barrier, so after its matmuls of this one have completed). Each
+                # warpgroup computes half of dQ's columns over all 128 keys, dS
+                # [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2] (one fp32 tile per query half
+                # and kv tile is added), before dK, whose matmul hides dQ's way out.
                 buffer = step % 2
                 ds_mine = ds_smem.index(2 * buffer + HALF)  # [KEYS, QUERY_ROWS]
                 ds_mine.store(ds.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(ds_ready.index(buffer))
-                dk = warpgroup_mma(ds_mine, q_tile, dk, is_async=True)
                 mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
                 dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
                 dq = warpgroup_mma(ds_smem.index(2 * buffer).permute((1, 0)), k_upper, dq,
                                    use_acc=False, is_async=True)  # fmt: skip
                 dq = warpgroup_mma(ds_smem.index(2 * buffer + 1).permute((1, 0)), k_lower, dq,
                                    is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                mbarrier.arrive(q_empty.index(stage))
+                dk = warpgroup_mma(ds_mine, q_tile, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
                 mbarrier.arrive(do_empty.index(stage))
-                # The reduce from this buffer, two steps back, has read it.
-                tma.store_wait(1)
-                dq_tile = dq_smem.index(2 * HALF + buffer)  # [QUERY_ROWS, D / 2] fp32
-                dq_tile.store(dq * softmax_scale)
+                # The writer has added this warpgroup's tile of the buffer from two steps back.
+                slot = 2 * HALF + buffer
+                mbarrier.wait(dq_empty.index(slot), ((step // 2) & 1) ^ 1)
+                dq_smem.index(slot).store(dq * softmax_scale)  # [QUERY_ROWS, D / 2] fp32
                 fence_async_shared()
                 gl.thread_barrier()
-                _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
-                                          head * HEAD_DIM + HALF * HALF_D], dq_tile)  # fmt: skip
+                mbarrier.arrive(dq_full.index(slot))
+                dk = warpgroup_mma_wait(0, deps=(dk,))
+                mbarrier.arrive(q_empty.index(stage))
             else:
                 dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
                                    is_async=True)  # fmt: skip
@@ -292,16 +364,19 @@ def _backward_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse, delta, grad_k, grad_v,
     t_row_offsets, t_col_indices, seq_len_q, seq_len_kv, heads_q, group, stride_layout,
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
-    document_last, window_left, window_right, NUM_STAGES: gl.constexpr, GRAD_Q: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
-    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
+    document_last, window_left, window_right, counters, turns, NUM_STAGES: gl.constexpr,
+    GRAD_Q: gl.constexpr, ORDERED: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr, KV_TAIL: gl.constexpr,
+    Q_TAIL: gl.constexpr,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
     ones are the heaviest). q_desc / do_desc: [B * S_q, H_q * D] in blocks [64, D]; k_desc,
     v_desc: [B * S_kv, H_kv * D] in blocks [128, D]; dk_desc / dv_desc: grad_k / grad_v's
     like views in blocks [64, D]. lse (natural log), delta = rowsum(dO * O): fp32
     [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32 [B * S_q, H_q * D] view of zeros in blocks
-    [64, D], added to (TMA reduce-add; rows past S_q get zeros added). The
+    [64, D / 2], added to (TMA reduce-adds; rows past S_q get zeros added); with ORDERED,
+    counters: i32 zeros [B, H_q, 2 * ceil(S_q / 128)] and turns: i32 [nnz], for each entry
+    of the transposed layout its place in its query block's row (see _dq_writer). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
     Masks as in the forward kernel."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -309,6 +384,8 @@ def _backward_kernel(
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL)
+    # A NamedTuple, not bools: those reach warp_specialize's partitions as run-time values.
+    MODE: gl.constexpr = _grad_q_mode(GRAD_Q, ORDERED)
     kv_block = gl.program_id(0)
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -318,6 +395,9 @@ def _backward_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], v_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # [2 * warpgroup + buffer]: a dQ tile in shared memory, written / added
+    dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     if GRAD_Q:
         # dS^T of both warpgroups [2 * buffer + warpgroup, 64 keys, 64 queries], two buffers
         # (32 KB); a consumer's dQ tiles [64, D / 2] fp32 on their way out, two each (64 KB at
@@ -329,6 +409,9 @@ def _backward_kernel(
                                             dq_desc.layout)  # fmt: skip
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(4):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
     else:
         ds_smem = ds_ready  # never read
         dq_smem = ds_ready
@@ -352,16 +435,18 @@ def _backward_kernel(
     tail = (grad_k, grad_v, heads_q // group * HEAD_DIM)
     walk = (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q,
             seq_len_kv, stride_layout, layout_batch_stride, layout_head_divisor)  # fmt: skip
-    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dk_desc, dv_desc,
-              dq_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q,
-              qk_scale, softmax_scale, bounds, tail)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
+              dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta,
+              walk, heads_q, qk_scale, softmax_scale, bounds, tail)  # fmt: skip
+    writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, turns)
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
-        [(_consumer, (shared, UPPER, GRAD_Q, MASKS)),
-         (_consumer, (shared, LOWER, GRAD_Q, MASKS)), (_producer, loads)],
-        [CONSUMER_WARPS, PRODUCER_WARPS],
-        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+        [(_consumer, (shared, UPPER, MODE, MASKS)),
+         (_consumer, (shared, LOWER, MODE, MASKS)), (_producer, loads),
+         (_dq_writer, (writes, MODE))],
+        [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
 
 
@@ -394,6 +479,19 @@ def row_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+GRAD_Q_MODES = ("triton", "ordered", "atomic")
+
+
+def entry_turns(layout: BlockLayout) -> torch.Tensor:
+    """i32 [nnz], aligned with layout.transpose().col_indices: each (query block, kv block)
+    pair's place among the kv blocks of its query block's row (its rank in the CSR row)."""
+    row_offsets = layout.row_offsets
+    starts = torch.repeat_interleave(row_offsets[:, :-1].flatten(),
+                                     row_offsets.diff(dim=1).flatten())  # fmt: skip
+    ranks = torch.arange(layout.nnz, device=row_offsets.device) - starts
+    return ranks[layout.transpose_entries()].to(torch.int32)
+
+
 def attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -407,7 +505,7 @@ def attention_backward(
     window_size: tuple[int, int],
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
-    deterministic: bool = True,
+    grad_q: str = "triton",
     num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the Gluon forward on kernel-ready inputs (custom_op.py makes them so),
@@ -416,30 +514,40 @@ def attention_backward(
     Args:
         grad_out, q, k, v, out, lse, layout, causal, window_size, softmax_scale,
             document_ids: as in forward.attention_forward and its (out, lse).
-        deterministic: dQ from the Triton dQ kernel (bitwise reproducible) rather than
-            TMA reduce-adds beside dK and dV (five matmuls per block pair instead of seven).
-        num_stages: depth of the Q / dO shared-memory ring (2 with deterministic=False,
-            whose dQ tiles take 64 KB of shared memory).
+        grad_q: how dQ is computed: "triton", by the Triton dQ kernel over the rows (seven
+            matmuls per block pair, bitwise reproducible); "ordered", beside dK and dV in
+            the Gluon kernel (five matmuls), added to an fp32 dQ in each query half's kv
+            order (bitwise reproducible); "atomic", the same added in any order.
+        num_stages: depth of the Q / dO shared-memory ring (2 for "ordered" and "atomic",
+            whose dS and dQ tiles take 96 KB of shared memory).
 
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
     """
+    if grad_q not in GRAD_Q_MODES:
+        raise ValueError(f"grad_q must be one of {GRAD_Q_MODES}, got {grad_q!r}")
+    fused = grad_q != "triton"
+    if fused and num_stages > 2:
+        raise ValueError(
+            f"grad_q={grad_q!r} stages dS and dQ in shared memory: num_stages must be 2, got "
+            f"{num_stages}"
+        )
     q, k, v, out, grad_out = (_rows_contiguous(t) for t in (q, k, v, out, grad_out))
     batch, seq_len_q, heads_q, head_dim = q.shape
     seq_len_kv, heads_kv = k.shape[1], k.shape[2]
     options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                    document_ids=document_ids)  # fmt: skip
-    if deterministic:
-        grad_q, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options)
-        accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)  # never read
-    else:
-        if num_stages > 2:
-            raise ValueError(
-                f"deterministic=False stages dQ in shared memory: num_stages must be 2, got "
-                f"{num_stages}"
-            )
+    counters = turns = lse  # stand-ins, never read, unless grad_q == "ordered"
+    if fused:
         delta = row_delta(out, grad_out)
         accumulated = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if grad_q == "ordered":
+            halves = 2 * triton.cdiv(seq_len_q, 2 * QUERY_ROWS)
+            counters = torch.zeros(batch, heads_q, halves, dtype=torch.int32, device=q.device)
+            turns = entry_turns(layout)
+    else:
+        dq, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options)
+        accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)  # never read
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     masks, window_left, window_right = kernel_masks(
@@ -462,9 +570,9 @@ def attention_backward(
         qk_scale=softmax_scale * _env.LOG2_E,
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
-        NUM_STAGES=num_stages, GRAD_Q=not deterministic, **masks.constexprs(), num_warps=4,
-        maxnreg=MAX_REGISTERS,
+        counters=counters, turns=turns, NUM_STAGES=num_stages, GRAD_Q=fused,
+        ORDERED=grad_q == "ordered", **masks.constexprs(), num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    if not deterministic:
-        grad_q = accumulated.to(q.dtype)
-    return grad_q, grad_k, grad_v
+    if fused:
+        dq = accumulated.to(q.dtype)
+    return dq, grad_k, grad_v

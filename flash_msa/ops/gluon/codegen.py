@@ -99,10 +99,10 @@ def compile_forward(
 
 def compile_backward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    grad_q: bool = True, masks=None,
+    grad_q: str = "atomic", masks=None,
 ) -> dict:  # fmt: skip
-    """Compile backward._backward_kernel for sm_90a (grad_q: dQ by atomics beside dK and
-    dV) and report as compile_forward does."""
+    """Compile backward._backward_kernel for sm_90a (grad_q: its mode, as in
+    backward.attention_backward) and report as compile_forward does."""
     from flash_msa.ops.gluon import backward, forward
 
     masks = forward.Masks() if masks is None else masks
@@ -113,11 +113,11 @@ def compile_backward(
         dq_desc=_descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
         delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
-        document_first="*i32", document_last="*i32",
+        document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",
     )  # fmt: skip
-    constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q, **masks.constexprs())
-    mode = "atomic" if grad_q else "dkdv"
-    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{mode}{_mask_flags(masks)}"
+    constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q != "triton",
+                      ORDERED=grad_q == "ordered", **masks.constexprs())  # fmt: skip
+    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{_mask_flags(masks)}"
     return _compile(backward._backward_kernel, types, constexprs, workdir, name)
 
 

@@ -1,8 +1,8 @@
 """The "gluon" backend through block_sparse_attn_func on an H100 / H200: its forward (Gluon,
 masked where blocks are partial) and backward (Gluon dK/dV with the Triton dQ kernel; and the
-Gluon backward's other mode, dQ by atomics) against float64 by FlashAttention's rule, packed
-documents through the varlen call, bitwise reproducible gradients, and "auto" choosing it
-for everything but dropout."""
+Gluon backward's other dQ modes, added by TMA reduce-adds in kv order or in any order)
+against float64 by FlashAttention's rule, packed documents through the varlen call, bitwise
+reproducible gradients, and "auto" choosing it for everything but dropout."""
 
 from collections.abc import Callable
 from typing import NamedTuple
@@ -77,10 +77,10 @@ def references(q, k, v, mask, grad_out, dtype) -> dict:
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("atomic_dq", [False, True])
+@pytest.mark.parametrize("grad_q", ["op", "ordered", "atomic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gluon_backend_within_twice_torch_error(name, dtype, atomic_dq, poisoned_allocations):
+def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_allocations):
     case = CASES[name]
     layout = case.layout(case.seq_len).to("cuda")
     q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, case.head_dim,
@@ -95,11 +95,12 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, atomic_dq, poisoned
         q, k, v, layout, causal=case.causal, window_size=case.window_size,
         document_ids=documents, backend="gluon", return_lse=True,
     )  # fmt: skip
-    if atomic_dq:  # the mode the registry does not take, called as the op would
+    if grad_q != "op":  # called directly, so that documents reach the mode too (the op
+        # sends calls with documents to the Triton backward)
         grads = backward.attention_backward(
             grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, layout,
             causal=case.causal, window_size=case.window_size, softmax_scale=case.head_dim**-0.5,
-            document_ids=documents, deterministic=False,
+            document_ids=documents, grad_q=grad_q,
         )  # fmt: skip
     else:
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -110,20 +111,30 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, atomic_dq, poisoned
 
 @pytest.mark.gpu
 @needs_hopper
-def test_deterministic_gradients_are_bitwise_equal():
-    """Two backward passes of a causal GQA call give the same bits."""
-    layout = patterns.causal(2048, device="cuda")
-    q, k, v = random_qkv(1, 2048, 8, 128, heads_kv=2, dtype=torch.bfloat16, device="cuda",
+@pytest.mark.parametrize("grad_q", ["op", "ordered"])
+def test_deterministic_gradients_are_bitwise_equal(grad_q):
+    """Two backward passes of a causal GQA call give the same bits: the op's default mode,
+    and dQ added in kv order (every query block of the causal layout gets adds from up to
+    32 kv blocks, racing across the GPU)."""
+    layout = patterns.causal(4096, device="cuda")
+    q, k, v = random_qkv(2, 4096, 8, 128, heads_kv=2, dtype=torch.bfloat16, device="cuda",
                          seed=7, requires_grad=True)  # fmt: skip
     grad_out = torch.randn_like(q)
+    out, lse = block_sparse_attn_func(q, k, v, layout, causal=True, backend="gluon",
+                                      return_lse=True)  # fmt: skip
 
     def grads():
-        out = block_sparse_attn_func(q, k, v, layout, causal=True, backend="gluon",
-                                     deterministic=True)  # fmt: skip
-        return torch.autograd.grad(out, (q, k, v), grad_out)
+        if grad_q == "op":
+            return torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+        return backward.attention_backward(
+            grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, layout,
+            causal=True, window_size=(-1, -1), softmax_scale=128**-0.5, grad_q=grad_q,
+        )  # fmt: skip
 
-    for a, b in zip(grads(), grads(), strict=True):
-        assert torch.equal(a, b)
+    first = grads()
+    for _ in range(3):
+        for a, b in zip(first, grads(), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
