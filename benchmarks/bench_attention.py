@@ -4,7 +4,8 @@
 
 bf16, batch 1, head dim 128, block 128, causal (common.CASES, common.VARLEN_CASES). Each
 case builds one layout; flash-msa runs it through its gluon and its triton backend (one row
-each; records carry `backend` and `deterministic`: both backwards are free of atomics);
+each, and through gluon with deterministic=False; records carry `backend` and
+`deterministic`);
 FlexAttention (Triton kernels, compiled with dynamic=False) and FlashAttention-4
 (FlexAttention's FLASH backend) run the identical blocks as one BlockMask
 (common.flex_block_mask: diagonal blocks partial, the rest full). Cases whose dense
@@ -50,6 +51,8 @@ from flash_msa.sequences import document_ids_of
 IMPLS = {
     "flash_msa:gluon": "flash-msa, gluon backend (sm_90): Gluon forward, Gluon dK/dV and Triton "
     "dQ backward (deterministic)",
+    "flash_msa:gluon:nondeterministic": "flash-msa, gluon backend with deterministic=False: "
+    "one Gluon backward kernel, dQ added by TMA reduce-adds in any order",
     "flash_msa:triton": "flash-msa, triton backend (deterministic backward)",
     "flex": "FlexAttention (Triton), same blocks",
     "fa4_block_sparse": "FlashAttention-4 (FlexAttention FLASH backend), same blocks",
@@ -57,7 +60,12 @@ IMPLS = {
     "sdpa_cudnn": "SDPA cuDNN dense causal",
     "sdpa_flash": "SDPA flash (FlashAttention-2) dense causal",
 }
-OURS = {impl: impl.partition(":")[2] for impl in IMPLS if impl.startswith("flash_msa:")}
+# flash-msa's rows: impl -> (backend, deterministic)
+OURS = {
+    impl: (impl.split(":")[1], not impl.endswith(":nondeterministic"))
+    for impl in IMPLS
+    if impl.startswith("flash_msa:")
+}
 PEERS = [impl for impl in IMPLS if impl not in OURS]
 DENSE_IMPLS = ("fa4_dense", "sdpa_cudnn", "sdpa_flash")  # timed once per shape
 
@@ -109,10 +117,10 @@ def time_impls(case: dict, impls: dict, inputs, dense_timings: dict) -> list[dic
     outcomes = agreement(impls)
     records = []
     for impl, (fn, flops) in impls.items():
-        name, _, backend = impl.partition(":")
-        record = dict(case, impl=name, **outcomes.get(impl, {}))
-        if backend:  # flash-msa's rows: one per backend; its backward never uses atomics
-            record.update(backend=backend, deterministic=True)
+        record = dict(case, impl=impl.partition(":")[0], **outcomes.get(impl, {}))
+        if impl in OURS:
+            backend, deterministic = OURS[impl]
+            record.update(backend=backend, deterministic=deterministic)
         shape_key = (impl, case["seq_len"], case["heads_q"], case["heads_kv"])
         try:
             if "error" in record:
@@ -175,12 +183,12 @@ def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
     impls = {
         **{
             impl: (
-                lambda backend=backend: block_sparse_attn_func(
-                    q, k, v, layout, causal=True, backend=backend
+                lambda backend=backend, deterministic=deterministic: block_sparse_attn_func(
+                    q, k, v, layout, causal=True, backend=backend, deterministic=deterministic
                 ),
                 sparse_flops,
             )
-            for impl, backend in OURS.items()
+            for impl, (backend, deterministic) in OURS.items()
         },
         "flex": (flex_call(flex, q_t, k_t, v_t, block_mask), sparse_flops),
     }
@@ -222,12 +230,13 @@ def run_varlen_case(name: str, device, fa4) -> list[dict]:
     flops = sum(4 * HEAD_DIM * length * length / 2 for length in lengths) * heads
     impls = {
         impl: (
-            lambda backend=backend: block_sparse_attn_varlen_func(
-                q[0], k[0], v[0], bounds, longest, layout, causal=True, backend=backend
+            lambda backend=backend, deterministic=deterministic: block_sparse_attn_varlen_func(
+                q[0], k[0], v[0], bounds, longest, layout, causal=True, backend=backend,
+                deterministic=deterministic,
             )[None],
             flops,
         )
-        for impl, backend in OURS.items()
+        for impl, (backend, deterministic) in OURS.items()
     }
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -282,8 +291,12 @@ def timing_cells(record: dict) -> list:
 
 
 def row_name(record: dict) -> str:
-    """The impl, and for flash-msa's rows its backend: "flash_msa:gluon"."""
-    return record["impl"] + (f":{record['backend']}" if "backend" in record else "")
+    """The impl, and for flash-msa's rows its backend (and :nondeterministic):
+    "flash_msa:gluon"."""
+    if "backend" not in record:
+        return record["impl"]
+    mode = "" if record.get("deterministic", True) else ":nondeterministic"
+    return f"{record['impl']}:{record['backend']}{mode}"
 
 
 def speedup_cells(impls: dict[str, dict], ours: dict) -> list[str]:
@@ -301,9 +314,9 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     columns = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "peak GiB"]
     timings = [(r, [r["case"], row_name(r), *timing_cells(r)]) for r in records]
     speedups = [
-        (impls[ours], [case, backend, *speedup_cells(impls, impls[ours])])
+        (impls[ours], [case, ours.partition(":")[2], *speedup_cells(impls, impls[ours])])
         for case, impls in by_case.items()
-        for ours, backend in OURS.items()
+        for ours in OURS
         if ours in impls
     ]
     body = [

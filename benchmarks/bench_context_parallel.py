@@ -404,7 +404,8 @@ def check_attention(name: str, seq_len: int, setting: dict) -> dict:
         single = [out.detach(), *(t.grad for t in inputs)]
         del inputs, out
         wide = [whole[n].double().requires_grad_() for n in ("q", "k", "v")]
-        out = block_sparse_attn_func(*wide, layout, causal=True, backend="torch")
+        out = block_sparse_attn_func(*wide, layout, causal=True, backend="torch",
+                                     deterministic=False)  # fmt: skip  # a reference
         out.backward(whole["grad_out"].double())
         exact = [out.detach(), *(t.grad for t in wide)]
         del wide, out

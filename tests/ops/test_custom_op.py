@@ -101,7 +101,8 @@ def test_func_grad_matches_autograd(backend):
     q, k, v = random_qkv(1, 64, 2, 16, heads_kv=1, device=DEVICE, seed=6)
 
     def loss(q, k, v):
-        out = block_sparse_attn_func(q, k, v, layout, causal=True, backend=backend)
+        out = block_sparse_attn_func(q, k, v, layout, causal=True, backend=backend,
+                                     deterministic=False)  # torch's on CUDA: not reproducible
         return out.square().sum()
 
     grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
