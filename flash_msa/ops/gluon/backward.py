@@ -183,11 +183,13 @@ def _ptx(value, INSTRUCTIONS: gl.constexpr):
 def _dq_writer(writes, MODE: gl.constexpr):
     """One warp (with MODE.fused; else none of its work): each step, the consumers' two dQ
     tiles [QUERY_ROWS, D / 2] fp32 added into dQ with TMA reduce-adds, then their slots
-    freed. MODE.ordered: the adds into a query half come in the order of its kv blocks, so dQ is
-    bitwise reproducible: an i32 counter per (batch, query head, query half) counts the kv
-    blocks added so far, and the kv block of entry e of the column waits for it to reach
-    turns[e] (its place in its query block's row), adds once the count is reached, waits for
-    its adds to complete and counts itself."""
+    freed. MODE.ordered: the adds into a query half come in the order of its kv blocks, the
+    highest first, so dQ is bitwise reproducible: an i32 counter per (batch, query head,
+    query half) counts the kv blocks added so far, and the kv block of entry e of the column
+    waits for it to reach turns[e] (entry_turns), adds, waits for its adds to complete and
+    counts itself. The programs run highest kv block first, so a program waits only on ones
+    started before it (no deadlock), and under a causal or banded layout the kv block c + 1
+    reaches a query block one step before c does: in step, the waits are short."""
     if MODE.fused:
         dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, turns = writes
         (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
@@ -370,8 +372,9 @@ def _backward_kernel(
     Q_TAIL: gl.constexpr,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
-    ones are the heaviest). q_desc / do_desc: [B * S_q, H_q * D] in blocks [64, D]; k_desc,
-    v_desc: [B * S_kv, H_kv * D] in blocks [128, D]; dk_desc / dv_desc: grad_k / grad_v's
+    ones are the heaviest; with MODE.ordered the last first). q_desc / do_desc:
+    [B * S_q, H_q * D] in blocks [64, D]; k_desc, v_desc: [B * S_kv, H_kv * D] in blocks
+    [128, D]; dk_desc / dv_desc: grad_k / grad_v's
     like views in blocks [64, D]. lse (natural log), delta = rowsum(dO * O): fp32
     [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32 [B * S_q, H_q * D] view of zeros in blocks
     [64, D / 2], added to (TMA reduce-adds; rows past S_q get zeros added); with ORDERED,
@@ -387,6 +390,8 @@ def _backward_kernel(
     # A NamedTuple, not bools: those reach warp_specialize's partitions as run-time values.
     MODE: gl.constexpr = _grad_q_mode(GRAD_Q, ORDERED)
     kv_block = gl.program_id(0)
+    if MODE.ordered:  # highest first: see _dq_writer
+        kv_block = gl.num_programs(0) - 1 - kv_block
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
 
@@ -484,12 +489,13 @@ GRAD_Q_MODES = ("triton", "ordered", "atomic")
 
 def entry_turns(layout: BlockLayout) -> torch.Tensor:
     """i32 [nnz], aligned with layout.transpose().col_indices: each (query block, kv block)
-    pair's place among the kv blocks of its query block's row (its rank in the CSR row)."""
+    pair's turn among the kv blocks of its query block's row, counted from the last (the
+    highest kv block adds first)."""
     row_offsets = layout.row_offsets
-    starts = torch.repeat_interleave(row_offsets[:, :-1].flatten(),
-                                     row_offsets.diff(dim=1).flatten())  # fmt: skip
-    ranks = torch.arange(layout.nnz, device=row_offsets.device) - starts
-    return ranks[layout.transpose_entries()].to(torch.int32)
+    ends = torch.repeat_interleave(row_offsets[:, 1:].flatten(),
+                                   row_offsets.diff(dim=1).flatten())  # fmt: skip
+    turns = ends - 1 - torch.arange(layout.nnz, device=row_offsets.device)
+    return turns[layout.transpose_entries()].to(torch.int32)
 
 
 def attention_backward(
