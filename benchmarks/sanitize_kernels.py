@@ -1,14 +1,18 @@
-"""A small forward + backward of every Triton kernel, for compute-sanitizer on one GPU:
+"""A small forward + backward of every kernel, for compute-sanitizer on one GPU:
 
-    compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kernels.py
+    compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kernels.py [--parts gluon]
 
-The attention forward, dQ and dK/dV kernels (ragged lengths, GQA packing, documents and
-dropout, TMA and pointer loads) and the MSA kernels (block scores, KL forward, dq_proxy and
-dk_proxy). The attention kernels run one explicit config each; msa_func's autotuned kernels
-try every config of their lists under the tool.
+attention: the Triton attention forward, dQ and dK/dV kernels (ragged lengths, GQA
+packing, documents and dropout, TMA and pointer loads); msa: the MSA kernels (block
+scores, KL forward, dq_proxy and dk_proxy); gluon (on an sm_90 GPU): the Gluon forward and
+its backward in each dQ mode (ragged lengths, GQA, a window, documents). The Triton
+attention kernels run one explicit config each; msa_func's autotuned kernels try every
+config of their lists under the tool.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -57,7 +61,34 @@ def msa(device: torch.device) -> None:
     print("msa_func forward + backward: done", flush=True)
 
 
+def gluon(device: torch.device) -> None:
+    from flash_msa.ops.gluon import backward, forward
+
+    seq_len = 300  # ragged: not a multiple of the block
+    layout = patterns.sliding_window(seq_len, 256, device=device)
+    layout = layout | patterns.global_tokens(seq_len, 128, device=device)
+    documents = (torch.arange(seq_len, device=device) // 160).int()[None].repeat(2, 1)
+    options = dict(causal=True, window_size=(200, 0), softmax_scale=0.125,
+                   document_ids=documents)  # fmt: skip
+    q, k, v = random_qkv(2, seq_len, 8, 64, heads_kv=2, dtype=torch.bfloat16, device=device)
+    out, lse = forward.attention_forward(q, k, v, layout.row_offsets, layout.col_indices,
+                                         **options)  # fmt: skip
+    for grad_q in backward.GRAD_Q_MODES:
+        backward.attention_backward(torch.randn_like(out), q, k, v, out, lse, layout,
+                                    **options, grad_q=grad_q)  # fmt: skip
+    torch.cuda.synchronize()
+    print(f"gluon forward + backward ({', '.join(backward.GRAD_Q_MODES)}): done", flush=True)
+
+
+PARTS = {"attention": attention, "msa": msa, "gluon": gluon}
+
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    args = parser.parse_args()
     device = torch.device("cuda")
-    attention(device)
-    msa(device)
+    for part in args.parts.split(","):
+        if part == "gluon" and torch.cuda.get_device_capability(device) != (9, 0):
+            print("gluon: skipped (needs an sm_90 GPU)", flush=True)
+            continue
+        PARTS[part](device)
