@@ -2,7 +2,7 @@
 
 One program owns a kv tile of 128 keys of one (batch, kv head) and walks that tile's column
 of the layout (layout.transpose()), for every query head of its GQA group: only the active
-(query block, kv block) pairs cost work. Three partitions share the program:
+(query block, kv block) pairs cost work. Four partitions share the program:
 
 - a producer warp issues TMA loads: the K and V tiles once, then, for each active query
   block, its two 64-row halves of Q and dO into a NUM_STAGES-deep shared-memory ring
@@ -10,16 +10,19 @@ of the layout (layout.transpose()), for every query head of its GQA group: only 
 - two consumer warpgroups, each owning 64 of the 128 keys, run per query half
   S^T = K Q^T and dP^T = V dO^T (async warpgroup MMAs, both issued before the softmax),
   P^T = exp2(S^T * scale - lse), dS^T = P^T (dP^T - delta), then dV += P^T dO and
-  dK += dS^T Q with P^T and dS^T from registers, accumulating dK and dV [64, D] in fp32
-  registers for the program's life.
+  dK += dS^T Q, accumulating dK and dV [64, D] in fp32 registers for the program's life;
+- a dQ writer warp, which works only when dQ is computed here.
 
-dQ comes in one of two ways (GRAD_Q):
-- GRAD_Q: each consumer also computes its 64 keys' share of the half's dQ, dS K (dS^T
-  through shared memory), stages it in shared memory and adds it to an fp32 dQ buffer with
-  a TMA reduce-add, which the next step's matmuls hide: five matmuls per block pair, not
-  bitwise reproducible (the order of the adds varies);
-- not GRAD_Q: dK and dV only (four matmuls); dQ comes from the Triton dQ kernel, which
-  walks the CSR rows (three more matmuls) and writes every element once: deterministic.
+dQ comes one of three ways (attention_backward's grad_q):
+- "triton": dK and dV only (four matmuls, P^T and dS^T as register operands); dQ comes from
+  the Triton dQ kernel, which walks the CSR rows (three more matmuls) and writes every
+  element once: deterministic;
+- "atomic": five matmuls. The consumers exchange their dS^T halves through shared memory
+  and each computes half of dQ's columns over all 128 keys, dS K[:, half], into a shared
+  fp32 tile that the writer adds to an fp32 dQ buffer with a TMA reduce-add: not bitwise
+  reproducible (the order of the adds across programs varies);
+- "ordered": the same, with the writer adding into each query half in a fixed order of kv
+  blocks (counters in global memory; see _dq_writer): bitwise reproducible.
 
 Element masks are the forward's (forward.Masks: key bounds per query row), applied to the
 transposed scores. Rows past S_q read lse +inf (P = 0); keys past S_kv are masked, and their
