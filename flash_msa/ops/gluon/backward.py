@@ -82,13 +82,15 @@ LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
 
 
 @gluon.jit
-def _column(t_row_offsets, head, batch, kv_block, stride_layout, layout_batch_stride,
-            layout_head_divisor):  # fmt: skip
-    """[start, end) of the transposed layout's entries (query blocks) of kv_block for
-    query head `head`."""
+def _column(walk, member):
+    """Query head `member` of the program's GQA group, and [start, end) of the transposed
+    layout's entries (query blocks) of the program's kv block for that head."""
+    (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
+     stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
+    head = kv_head * group + member
     layout_row = batch * layout_batch_stride + head // layout_head_divisor
     row = t_row_offsets + layout_row * stride_layout
-    return gl.load(row + kv_block), gl.load(row + kv_block + 1)
+    return head, gl.load(row + kv_block), gl.load(row + kv_block + 1)
 
 
 @gluon.jit
@@ -120,9 +122,7 @@ def _producer(
                                     v_smem)  # fmt: skip
     step = 0
     for member in range(group):
-        head = kv_head * group + member
-        start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
-                             layout_batch_stride, layout_head_divisor)  # fmt: skip
+        head, start, end = _column(walk, member)
         # Two steps per entry: its query block's halves of ROWS rows.
         for half_block in range(2 * start, 2 * end):
             q_row = batch * seq_len_q + _query_first(t_col_indices, half_block, ROWS)
@@ -202,9 +202,7 @@ def _dq_writer(writes, MODE: gl.constexpr):
         halves = 2 * ((seq_len_q + 2 * ROWS - 1) // (2 * ROWS))  # query halves of a head
         step = 0
         for member in range(group):
-            head = kv_head * group + member
-            start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
-                                 layout_batch_stride, layout_head_divisor)  # fmt: skip
+            head, start, end = _column(walk, member)
             for half_block in range(2 * start, 2 * end):
                 query_first = _query_first(t_col_indices, half_block, ROWS)
                 buffer = step % 2
@@ -271,9 +269,7 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     step = 0
     for member in range(group):
-        head = kv_head * group + member
-        start, end = _column(t_row_offsets, head, batch, kv_block, stride_layout,
-                             layout_batch_stride, layout_head_divisor)  # fmt: skip
+        head, start, end = _column(walk, member)
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
         for half_block in range(2 * start, 2 * end):
             query_first = _query_first(t_col_indices, half_block, ROWS)
