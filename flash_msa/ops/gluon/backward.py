@@ -194,12 +194,11 @@ def _dq_writer(writes, MODE: gl.constexpr):
     started before it (no deadlock), and under a causal or banded layout the kv block c + 1
     reaches a query block one step before c does: in step, the waits are short."""
     if MODE.fused:
-        dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, turns = writes
+        dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns = writes
         (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
          stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
         ROWS: gl.constexpr = dq_smem.type.shape[1]
         HALF_D: gl.constexpr = dq_smem.type.shape[2]
-        halves = 2 * ((seq_len_q + 2 * ROWS - 1) // (2 * ROWS))  # query halves of a head
         step = 0
         for member in range(group):
             head, start, end = _column(walk, member)
@@ -365,7 +364,8 @@ def _backward_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse, delta, grad_k, grad_v,
     t_row_offsets, t_col_indices, seq_len_q, seq_len_kv, heads_q, group, stride_layout,
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
-    document_last, window_left, window_right, counters, turns, NUM_STAGES: gl.constexpr,
+    document_last, window_left, window_right, counters, halves, turns,
+    NUM_STAGES: gl.constexpr,
     GRAD_Q: gl.constexpr, ORDERED: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr, KV_TAIL: gl.constexpr,
     Q_TAIL: gl.constexpr,
@@ -373,12 +373,12 @@ def _backward_kernel(
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
     ones are the heaviest; with MODE.ordered the last first). q_desc / do_desc:
     [B * S_q, H_q * D] in blocks [64, D]; k_desc, v_desc: [B * S_kv, H_kv * D] in blocks
-    [128, D]; dk_desc / dv_desc: grad_k / grad_v's
-    like views in blocks [64, D]. lse (natural log), delta = rowsum(dO * O): fp32
-    [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32 [B * S_q, H_q * D] view of zeros in blocks
-    [64, D / 2], added to (TMA reduce-adds; rows past S_q get zeros added); with ORDERED,
-    counters: i32 zeros [B, H_q, 2 * ceil(S_q / 128)] and turns: i32 [nnz], for each entry
-    of the transposed layout its place in its query block's row (see _dq_writer). The
+    [128, D]; dk_desc / dv_desc: grad_k / grad_v's like views in blocks [64, D]. lse
+    (natural log), delta = rowsum(dO * O): fp32 [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32
+    [B * S_q, H_q * D] view of zeros in blocks [64, D / 2], added to (TMA reduce-adds; rows
+    past S_q get zeros added); with ORDERED, counters: i32 zeros [B, H_q, halves] (halves:
+    the query halves of a head, 2 * ceil(S_q / 128)) and turns: i32 [nnz], each entry of
+    the transposed layout's turn in its query block's row (entry_turns, _dq_writer). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
     Masks as in the forward kernel."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -442,7 +442,7 @@ def _backward_kernel(
     shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
               dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta,
               walk, heads_q, qk_scale, softmax_scale, bounds, tail)  # fmt: skip
-    writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, turns)
+    writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns)
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
@@ -543,11 +543,11 @@ def attention_backward(
     options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                    document_ids=document_ids)  # fmt: skip
     counters = turns = lse  # stand-ins, never read, unless grad_q == "ordered"
+    halves = 2 * triton.cdiv(seq_len_q, 2 * QUERY_ROWS)  # query halves of a head
     if fused:
         delta = row_delta(out, grad_out)
         accumulated = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         if grad_q == "ordered":
-            halves = 2 * triton.cdiv(seq_len_q, 2 * QUERY_ROWS)
             counters = torch.zeros(batch, heads_q, halves, dtype=torch.int32, device=q.device)
             turns = entry_turns(layout)
     else:
@@ -575,7 +575,7 @@ def attention_backward(
         qk_scale=softmax_scale * _env.LOG2_E,
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
-        counters=counters, turns=turns, NUM_STAGES=num_stages, GRAD_Q=fused,
+        counters=counters, halves=halves, turns=turns, NUM_STAGES=num_stages, GRAD_Q=fused,
         ORDERED=grad_q == "ordered", **masks.constexprs(), num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if fused:
