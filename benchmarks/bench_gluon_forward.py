@@ -1,28 +1,29 @@
 """The Gluon forward on one H200, unmasked and masked, against flash-msa's Triton forward.
 
 The unmasked path's go/no-go (dense non-causal attention at 16K must reach 600 TFLOP/s) and
-the masked path (dense causal at 16K and 32K, a causal window of 4096 + 128 sinks at 128K),
-each beside flash-msa's Triton forward in the same run.
+the masked path (dense causal at 16K and 32K, a causal window of 4096 + 128 sinks and 16
+random blocks a row at 128K), each beside flash-msa's Triton forward in the same run.
 
     PYTHONPATH=$PWD python benchmarks/bench_gluon_forward.py [--out DIR] [--seq-len 16k]
-        [--cases causal-16k,causal-32k,window-128k]
+        [--cases causal-16k,causal-32k,window-128k,topk16-128k]
 
 bf16, B=1, H=16, D=128, blocks of 128. The unmasked case (--seq-len) has every block active
 (the all-active CSR of patterns.from_dense_mask); the masked cases (--cases, '' for none) are
 causal=True over common.py's layouts (causal: the lower block triangle; window: sliding
-window 4096 + 128 global tokens), where the diagonal and window-edge blocks are partial.
-Each Gluon variant (unmasked: num_stages 2 / 3 x ping-pong on / off; masked: 3 and 2 stages
-with ping-pong) first passes a correctness check against float64 (error of out and lse at
-most 2x PyTorch's in bf16, outputs poisoned with NaN beforehand; unmasked: dense and a
-random block-sparse CSR with an empty row at S=1024; masked: causal at S=1000 and causal
-window + sinks at S=2048, B=2, H=4, both with ragged ends), then is timed
-(triton.testing.do_bench, median); beside them flash-msa's Triton forward on the same CSR and
-masks (autotuned) and SDPA cuDNN where the attention is dense. TFLOP/s: 4 S^2 D H dense,
-half that dense causal (as bench_attention and the anchors count it), 4 * 128^2 * D per
-active block and head for the window. Each Gluon variant runs in a child process under a
-time limit: one that fails to compile, errs, computes wrongly or hangs records why, and the
-others still run. One line per record on stdout; DIR/gluon_forward.json and
-gluon_forward.md (DIR defaults to benchmarks/results/<gpu>/).
+window 4096 + 128 global tokens; top-k: 16 blocks a row), where the diagonal and window-edge
+blocks are partial. The Gluon variants (2 stages, the launch order heaviest rows first):
+persistent (a program per SM) or a program per tile, ping-pong on / off where unmasked. Each
+first passes a correctness check against float64 (error of out and lse at most 2x
+PyTorch's in bf16, outputs poisoned with NaN beforehand, persistent variants on 7 programs
+that walk several tiles each; unmasked: dense and a random block-sparse CSR with an empty row
+at S=1024; masked: causal at S=1000 and causal window + sinks at S=2048, B=2, H=4, both with
+ragged ends), then is timed (triton.testing.do_bench, median); beside them flash-msa's Triton
+forward on the same CSR and masks (autotuned) and SDPA cuDNN where the attention is dense.
+TFLOP/s: 4 S^2 D H dense, half that dense causal (as bench_attention and the anchors count
+it), 4 * 128^2 * D per active block and head for the window and top-k. Each Gluon variant
+runs in a child process under a time limit: one that fails to compile, errs, computes wrongly
+or hangs records why, and the others still run. One line per record on stdout;
+DIR/gluon_forward.json and gluon_forward.md (DIR defaults to benchmarks/results/<gpu>/).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from common import (
     results_dir,
     run_metadata,
     timed,
+    topk_layout,
     window_layout,
     write_report,
 )
@@ -55,19 +57,22 @@ from flash_msa import patterns
 HEADS = 16
 TARGET_TFLOPS = 600.0
 CHECK_SEQ_LEN = 1024
-# Turn-taking alternates, so that a failure of one mode still leaves the other's figures.
+# Variants: launch options of attention_forward (2 stages, one program per SM by default);
+# one_per_tile: a program per tile instead. Turn-taking alternates, so that a failure of one
+# mode still leaves the other's figures.
 UNMASKED_VARIANTS = [
-    dict(num_stages=3, pingpong=True),
-    dict(num_stages=3, pingpong=False),
-    dict(num_stages=2, pingpong=True),
-    dict(num_stages=2, pingpong=False),
+    dict(pingpong=True),
+    dict(pingpong=False),
+    dict(pingpong=True, one_per_tile=True),
 ]
-MASKED_VARIANTS = [dict(num_stages=3, pingpong=True), dict(num_stages=2, pingpong=True)]
+MASKED_VARIANTS = [dict(pingpong=True), dict(pingpong=True, one_per_tile=True)]
 MASKED_CASES = {  # name: sequence length, layout (seq_len, device) -> BlockLayout; causal
     "causal-16k": (16 * K, causal_layout),
     "causal-32k": (32 * K, causal_layout),
     "window-128k": (128 * K, window_layout),
+    "topk16-128k": (128 * K, topk_layout),
 }
+CHECK_PROGRAMS = 7  # persistent variants are checked with programs that walk several tiles
 VARIANT_TIMEOUT_S = 90  # compile, check and time one variant
 BUDGET_S = 420  # variants not started by then are recorded as skipped
 RESULT = "RESULT "  # prefix of a child's JSON line
@@ -77,7 +82,17 @@ SDPA = "sdpa_cudnn"
 
 def variant_name(variant: dict) -> str:
     turns = "pingpong" if variant["pingpong"] else "no pingpong"
-    return f"gluon stages={variant['num_stages']} {turns}"
+    programs = "a program per tile" if variant.get("one_per_tile") else "persistent"
+    return f"gluon {programs}, {turns}"
+
+
+def launch_options(variant: dict, tiles: int) -> dict:
+    """attention_forward's options for a variant on a call of `tiles` tiles (128 queries x
+    one head)."""
+    options = {key: value for key, value in variant.items() if key != "one_per_tile"}
+    if variant.get("one_per_tile"):
+        options["programs"] = tiles
+    return options
 
 
 def dense_layout(seq_len: int, device):
@@ -155,10 +170,13 @@ def check(forward, variant: dict, masked: bool, device) -> dict:
     scale = HEAD_DIM**-0.5
     report, passed = {}, True
     for name, (q, k, v, layout, causal) in check_inputs(masked, device).items():
+        tiles = layout.num_q_blocks * q.shape[0] * q.shape[2]
+        options = launch_options(variant, tiles)
+        options.setdefault("programs", CHECK_PROGRAMS)
         first, second = poisoned()
         with first, second:
             out, lse = forward(q, k, v, layout.row_offsets, layout.col_indices,
-                               softmax_scale=scale, causal=causal, **variant)  # fmt: skip
+                               softmax_scale=scale, causal=causal, **options)  # fmt: skip
         torch.cuda.synchronize()
         mask = layout_mask(layout, q.shape[0], q.shape[2], causal=causal)
         exact = attention_reference(q.double(), k.double(), v.double(), mask, scale)
@@ -201,9 +219,10 @@ def run_variant(variant: dict, name: str, seq_len: int) -> dict:
                              requires_grad=())  # fmt: skip
     q, k, v = tensors.values()
     layout = build(seq_len, device)
+    options = launch_options(variant, layout.num_q_blocks * HEADS)
     record.update(timed(lambda: attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=HEAD_DIM**-0.5,
-        causal=causal, **variant,
+        causal=causal, row_order=layout.heavy_rows_first(), **options,
     )))  # fmt: skip
     record["compiled"] = compiled_figures()
     return record
@@ -250,7 +269,7 @@ def time_peers(name: str, seq_len: int, device) -> list[dict]:
             q, k, v, layout, causal=causal, window_size=(-1, -1), softmax_scale=scale
         ),
     }
-    if not name.startswith("window"):
+    if name.startswith(("dense", "causal")):
         peers[SDPA] = sdpa
     records = []
     for impl, step in peers.items():
@@ -361,10 +380,11 @@ def main() -> None:
     notes = (
         f"Gluon forward, B=1, H={HEADS}, D={HEAD_DIM}, bf16, blocks of 128; {dense}: every "
         f"block active, non-causal; causal-*: the lower block triangle, causal; window-128k: "
-        f"sliding window 4096 + 128 global tokens, causal. Medians of do_bench; TFLOP/s = 4 "
+        f"sliding window 4096 + 128 global tokens, causal; topk16-128k: 16 blocks a row, "
+        f"causal. Launch order: heaviest rows first. Medians of do_bench; TFLOP/s = 4 "
         f"S^2 D H / time dense, half that dense causal, 4 * 128^2 * D * H per active block for "
-        f"the window. check: out and lse of the Gluon variant within 2x PyTorch's bf16 error "
-        f"against float64 (unmasked: dense and a random block-sparse CSR at "
+        f"the window and top-k. check: out and lse of the Gluon variant within 2x PyTorch's "
+        f"bf16 error against float64 (unmasked: dense and a random block-sparse CSR at "
         f"S={CHECK_SEQ_LEN}; masked: causal at S=1000, causal window + sinks at S=2048). "
         + " ".join(f"{line}." for line in lines)
     )

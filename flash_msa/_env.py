@@ -52,6 +52,18 @@ def shared_memory(device: torch.device) -> int:
     return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device."""
+    return _multiprocessors(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
 def can_run_triton(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())

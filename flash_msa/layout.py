@@ -31,6 +31,13 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+def heavy_rows_first(row_offsets: torch.Tensor) -> torch.Tensor:
+    """int32 [num_q_blocks]: the query blocks of CSR row pointers [L, num_q_blocks + 1] by
+    descending active blocks summed over the L layouts (ties keep their order)."""
+    work = (row_offsets[:, 1:] - row_offsets[:, :-1]).long().sum(0)
+    return torch.argsort(work, descending=True, stable=True).int()
+
+
 class BlockLayout:
     """Active blocks of the attention matrix, as a batched CSR.
 
@@ -211,8 +218,7 @@ class BlockLayout:
         keep their order), cached. Kernels launch the longest rows first, so the grid ends
         on short ones instead of waiting for a long last row."""
         if self._heavy_rows_first is None:
-            work = self.row_counts().view(self.num_layouts, self.num_q_blocks).sum(0)
-            self._heavy_rows_first = torch.argsort(work, descending=True, stable=True).int()
+            self._heavy_rows_first = heavy_rows_first(self.row_offsets)
         return self._heavy_rows_first
 
     def entry_rows(self) -> torch.Tensor:

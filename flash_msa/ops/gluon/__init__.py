@@ -29,7 +29,7 @@ def _forward(
     return attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=softmax_scale,
         layout_batch=layout.layout_batch, causal=causal, window_size=window_size,
-        document_ids=document_ids,
+        document_ids=document_ids, row_order=layout.heavy_rows_first(),
     )  # fmt: skip
 
 

@@ -70,7 +70,7 @@ def sass_fingerprint(sass: str) -> str:
 
 
 def compile_forward(
-    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 3,
+    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
     pingpong: bool = True, masks=None,
 ) -> dict:  # fmt: skip
     """Compile forward._forward_kernel for sm_90a with the forward.Masks `masks` (None: none,
@@ -88,7 +88,8 @@ def compile_forward(
         o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
         k_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
         v_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
-        lse="*fp32", row_offsets="*i32", col_indices="*i32", qk_scale="fp32", out=f"*{dtype}",
+        lse="*fp32", row_order="*i32", row_offsets="*i32", col_indices="*i32", qk_scale="fp32",
+        out=f"*{dtype}",
         document_first="*i32", document_last="*i32",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, **masks.constexprs())

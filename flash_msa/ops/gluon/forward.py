@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flash_msa import _env
+from flash_msa.layout import heavy_rows_first
 from flash_msa.ops.triton.common import mask_arguments
 
 BLOCK_M = 128  # query rows of one program
@@ -107,42 +108,76 @@ LN_2: gl.constexpr = gl.constexpr(_env.LN_2)
 
 
 @gluon.jit
+def _tile(tile, tiles, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Tile `tile` of the launch order: query blocks by descending work (row_order), each
+    over every (batch, head), heads fastest, so the tiles that run together share K and V
+    in L2 and the launch ends on the lightest. Returns its CSR row's entries [start, end),
+    its TMA coordinates q_row, q_col (Q and O), kv_row, kv_col (K and V), lse_offset, the
+    position of its first query and its batch element. tiles = (row_order, row_offsets,
+    stride_layout, layout_batch_stride, layout_head_divisor, heads_q, batch, group,
+    seq_len_q, seq_len_kv): see _forward_kernel."""
+    (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor, heads_q,
+     batches, group, seq_len_q, seq_len_kv) = tiles  # fmt: skip
+    heads = heads_q * batches
+    query_block = gl.load(row_order + tile // heads)
+    batch = (tile % heads) // heads_q
+    head = tile % heads_q
+    row = row_offsets + (batch * layout_batch_stride + head // layout_head_divisor) * stride_layout
+    start = gl.load(row + query_block)
+    end = gl.load(row + query_block + 1)
+    query_first = query_block * BLOCK
+    q_row = batch * seq_len_q + query_first
+    lse_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q + query_first
+    return (start, end, q_row, head * HEAD_DIM, batch * seq_len_kv, (head // group) * HEAD_DIM,
+            lse_offset, query_first, batch)  # fmt: skip
+
+
+@gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-    v_empty, col_indices, start, end, q_row, q_col, kv_row, kv_col,
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+    v_ready, v_empty, col_indices, tiles, num_tiles,
 ):  # fmt: skip
-    """One warp: the query halves once, then K and V of each active block of the row into
-    the ring (a slot is refilled once both consumers released it)."""
+    """One warp, over the program's tiles: the query halves of each tile once its consumers
+    are done with the previous tile's (so they load while that tile ends), then K and V of
+    each active block of the row into the ring (a slot is refilled once both consumers
+    released it; the ring runs on across tiles)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    if end > start:
-        for half in gl.static_range(2):
-            bar = q_ready.index(half)
-            mbarrier.expect(bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
-            )
-        block = gl.load(col_indices + start)
-        for j in range(start, end):
-            step = j - start
-            stage = step % NUM_STAGES
-            phase = (step // NUM_STAGES) & 1
-            row = kv_row + block * KV_ROWS
-            # The next index loads while this step waits for its slots.
-            block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
-            # A fresh barrier counts as having completed the phase before 0: the first
-            # NUM_STAGES waits pass at once.
-            mbarrier.wait(k_empty.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
-            )
-            mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
-            )
+    count = 0  # blocks loaded so far, over the program's tiles: the ring's position
+    loaded = 0  # tiles with active blocks so far: the query halves' phase
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        start, end, q_row, q_col, kv_row, kv_col, _, _, _ = _tile(tile, tiles, 2 * HALF, HEAD_DIM)
+        if end > start:
+            for half in gl.static_range(2):
+                # A fresh barrier counts as having completed the phase before 0: the first
+                # waits pass at once.
+                mbarrier.wait(q_empty.index(half), (loaded & 1) ^ 1)
+                bar = q_ready.index(half)
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
+                )
+            loaded += 1
+            block = gl.load(col_indices + start)
+            for j in range(start, end):
+                stage = count % NUM_STAGES
+                phase = (count // NUM_STAGES) & 1
+                row = kv_row + block * KV_ROWS
+                # The next index loads while this step waits for its slots.
+                block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
+                mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
+                )
+                mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
+                )
+                count += 1
 
 
 @gluon.jit
@@ -248,30 +283,31 @@ def _mma_layout(columns, dtype):
 
 @gluon.jit
 def _kv_step(
-    step, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine, theirs, s, acc, p_op,
-    m_i, l_i, use_acc, qk_scale, row_blocks, visible, PINGPONG: gl.constexpr,
+    step, count, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine, theirs, s, acc,
+    p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, PINGPONG: gl.constexpr,
     MASKS: gl.constexpr,
 ):  # fmt: skip
-    """Block `step` (> 0) of the row: S of this block and P V of the block before it run
-    together, the mask and softmax of this block beside that P V; returns the new S, O, P
-    (input dtype, operand layout) and softmax state. row_blocks points at the row's kv
-    block indices; visible: see _visible_keys."""
+    """Block `step` (> 0) of the row, the program's block `count` (the ring's and the turns'
+    position): S of this block and P V of the block before it run together, the mask and
+    softmax of this block beside that P V; returns the new S, O, P (input dtype, operand
+    layout) and softmax state. row_blocks points at the row's kv block indices; visible:
+    see _visible_keys."""
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     KV_ROWS: gl.constexpr = k_smem.type.shape[1]
     dtype: gl.constexpr = q.dtype
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     o_rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(HEAD_DIM, dtype))
     p_layout: gl.constexpr = p_op.type.layout
-    stage = step % NUM_STAGES
-    phase = (step // NUM_STAGES) & 1
-    before = (step - 1) % NUM_STAGES
+    stage = count % NUM_STAGES
+    phase = (count // NUM_STAGES) & 1
+    before = (count - 1) % NUM_STAGES
 
     if MASKS.scores:  # the load's latency hides behind the wait for K and the S matmul
         key_first = gl.load(row_blocks + step) * KV_ROWS
         partial = _partial(key_first, visible, KV_ROWS, MASKS)
     mbarrier.wait(k_ready.index(stage), phase)
     if PINGPONG:
-        mbarrier.wait(mine, step & 1)
+        mbarrier.wait(mine, count & 1)
     s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
     acc = warpgroup_mma(p_op, v_smem.index(before), acc, use_acc=use_acc, is_async=True)
     if PINGPONG:
@@ -325,94 +361,133 @@ def _store_tile(o_desc, tile, row, column):
 
 
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.constexpr):
-    """One warpgroup: rows HALF * 64 .. HALF * 64 + 63 of the query tile, whose first row is
-    at position query_first. bounds: see _visible_keys; tail = (out, S_q, H_q * D): out's
-    pointer, for a half that ends past S_q."""
-    (q_smem, k_smem, v_smem, o_desc, q_ready, k_ready, k_empty, v_ready, v_empty, turns, lse,
-     col_indices, start, end, q_row, q_col, lse_offset, qk_scale, query_first, bounds,
-     tail) = shared  # fmt: skip
-    ROWS: gl.constexpr = q_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+def _attend(
+    q, q_ready, q_empty, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine, theirs,
+    row_blocks, blocks, count, q_phase, qk_scale, visible, PINGPONG: gl.constexpr,
+    MASKS: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup's 64 rows of a tile over the `blocks` (> 0) active blocks of its row
+    (row_blocks: their kv block indices), the program's blocks count.. count + blocks - 1:
+    O normalised [HALF_M, D] (fp32) and the log-sum-exp [HALF_M] (natural log). The query
+    half is released (q_empty) once the row's last S has completed."""
+    ROWS: gl.constexpr = q.type.shape[0]
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
     KV_ROWS: gl.constexpr = k_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = _mma_layout(KV_ROWS, dtype)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth
     )
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    stage = count % NUM_STAGES
+    phase = (count // NUM_STAGES) & 1
+    if MASKS.scores:
+        key_first = gl.load(row_blocks) * KV_ROWS
+        partial = _partial(key_first, visible, KV_ROWS, MASKS)
+    mbarrier.wait(q_ready, q_phase)
+    # Block 0: S only; its P V runs beside the next block's S.
+    mbarrier.wait(k_ready.index(stage), phase)
+    if PINGPONG:
+        mbarrier.wait(mine, count & 1)
+    s = gl.zeros([ROWS, KV_ROWS], gl.float32, s_layout)  # [HALF_M, BLOCK_N]
+    s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(theirs)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(stage))
+    if MASKS.scores:
+        s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
+    p, m_i, l_i, alpha = _softmax_step(s, s, s, qk_scale, True, MASKS.scores)
+    mbarrier.wait(v_ready.index(stage), phase)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)  # [HALF_M, BLOCK_N]
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)  # [HALF_M, D]
+    use_acc = False
+    for step in range(1, blocks):
+        s, acc, p_op, m_i, l_i = _kv_step(
+            step, count + step, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine,
+            theirs, s, acc, p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, PINGPONG,
+            MASKS,
+        )  # fmt: skip
+        use_acc = True
+    # Every S of the row has completed: the producer may load the next tile's query half.
+    mbarrier.arrive(q_empty)
+    last = (count + blocks - 1) % NUM_STAGES
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, use_acc=use_acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(last))
+    if MASKS.scores:
+        # A row that saw no key has l = 0, m = -inf and O = 0: dividing by 1 leaves O = 0
+        # and lse = -inf.
+        l_i = gl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    return acc, (m_i + gl.log2(l_i)) * LN_2
+
+
+@gluon.jit
+def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.constexpr):
+    """One warpgroup, over the program's tiles: rows HALF * 64 .. HALF * 64 + 63 of each
+    query tile. Its output leaves through o_smem by TMA while the next tile runs. bounds =
+    (S_kv, window_left, window_right, document_first, document_last) with the documents'
+    bounds of batch element 0 (see _visible_keys); tail = (out, S_q, H_q * D): out's
+    pointer, for a half that ends past S_q."""
+    (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turns, lse, col_indices, tiles, num_tiles, qk_scale, bounds,
+     tail) = shared  # fmt: skip
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)
+    s_rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(k_smem.type.shape[1], dtype))
     q = q_smem.index(HALF)  # [HALF_M, D]
+    o = o_smem.index(HALF)  # [HALF_M, D]
     mine = turns.index(HALF)
     theirs = turns.index(1 - HALF)
-    query_first = query_first + HALF * ROWS
-    row_blocks = col_indices + start
-    visible = None
-    if MASKS.scores:
-        visible = _visible_keys(query_first, bounds, ROWS, s_rows, MASKS)
-
-    if end > start:
-        if MASKS.scores:
-            key_first = gl.load(row_blocks) * KV_ROWS
-            partial = _partial(key_first, visible, KV_ROWS, MASKS)
-        mbarrier.wait(q_ready.index(HALF), 0)
-        # Block 0: S only; its P V runs beside the next block's S.
-        mbarrier.wait(k_ready.index(0), 0)
-        if PINGPONG:
-            mbarrier.wait(mine, 0)
-        s = gl.zeros([ROWS, KV_ROWS], gl.float32, s_layout)  # [HALF_M, BLOCK_N]
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(theirs)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0))
-        if MASKS.scores:
-            s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
-        p, m_i, l_i, alpha = _softmax_step(s, s, s, qk_scale, True, MASKS.scores)
-        mbarrier.wait(v_ready.index(0), 0)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)  # [HALF_M, BLOCK_N]
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)  # [HALF_M, D]
-        use_acc = False
-        for j in range(start + 1, end):
-            s, acc, p_op, m_i, l_i = _kv_step(
-                j - start, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine, theirs,
-                s, acc, p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, PINGPONG, MASKS,
-            )  # fmt: skip
-            use_acc = True
-        last = (end - start - 1) % NUM_STAGES
-        acc = warpgroup_mma(p_op, v_smem.index(last), acc, use_acc=use_acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(last))
-        if MASKS.scores:
-            # A row that saw no key has l = 0, m = -inf and O = 0: dividing by 1 leaves O = 0
-            # and lse = -inf.
-            l_i = gl.where(l_i == 0.0, 1.0, l_i)
-        acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        log_sum = (m_i + gl.log2(l_i)) * LN_2  # [HALF_M]
-    else:
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        log_sum = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
-
+    seq_len_kv, window_left, window_right, document_first, document_last = bounds
     rows = gl.arange(0, ROWS, layout=s_rows)
-    row_valid = None  # every row is before S_q
-    if MASKS.q_tail:
-        out, seq_len_q, row_stride = tail
-        row_valid = query_first + rows < seq_len_q  # [HALF_M]
-    gl.store(lse + lse_offset + HALF * ROWS + rows, log_sum, mask=row_valid)
-    # The query half is no longer read (every S of this warpgroup has completed): it holds
-    # this warpgroup's output on its way out.
-    q.store(acc.to(dtype))
-    if MASKS.q_tail:
-        # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows,
-        # which a TMA store of the whole half would overwrite.
-        if query_first + ROWS > seq_len_q:
-            _store_rows(out, q, q_row + HALF * ROWS, seq_len_q - query_first, q_col, row_stride)
+    count = 0  # blocks consumed so far, over the program's tiles: the ring's position
+    loaded = 0  # tiles with active blocks so far: the query half's phase
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        start, end, q_row, q_col, _, _, lse_offset, query_first, batch = _tile(
+            tile, tiles, 2 * ROWS, HEAD_DIM
+        )
+        query_first = query_first + HALF * ROWS
+        visible = None
+        if MASKS.scores:
+            documents = batch * seq_len_kv
+            tile_bounds = (seq_len_kv, window_left, window_right, document_first + documents,
+                           document_last + documents)  # fmt: skip
+            visible = _visible_keys(query_first, tile_bounds, ROWS, s_rows, MASKS)
+        if end > start:
+            acc, log_sum = _attend(
+                q, q_ready.index(HALF), q_empty.index(HALF), k_smem, v_smem, k_ready, k_empty,
+                v_ready, v_empty, mine, theirs, col_indices + start, end - start, count,
+                loaded & 1, qk_scale, visible, PINGPONG, MASKS,
+            )  # fmt: skip
+            count += end - start
+            loaded += 1
         else:
-            _store_tile(o_desc, q, q_row + HALF * ROWS, q_col)
-    else:
-        _store_tile(o_desc, q, q_row + HALF * ROWS, q_col)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            log_sum = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+
+        row_valid = None  # every row is before S_q
+        if MASKS.q_tail:
+            out, seq_len_q, row_stride = tail
+            row_valid = query_first + rows < seq_len_q  # [HALF_M]
+        gl.store(lse + lse_offset + HALF * ROWS + rows, log_sum, mask=row_valid)
+        tma.store_wait(0)  # the previous tile's output has left o
+        o.store(acc.to(dtype))
+        if MASKS.q_tail:
+            # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows,
+            # which a TMA store of the whole half would overwrite.
+            if query_first + ROWS > seq_len_q:
+                _store_rows(out, o, q_row + HALF * ROWS, seq_len_q - query_first, q_col,
+                            row_stride)  # fmt: skip
+            else:
+                _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
+        else:
+            _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
     tma.store_wait(0)
 
 
@@ -423,42 +498,35 @@ def _masks(left, right, documents, kv_tail, q_tail):
 
 @gluon.jit
 def _forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, lse, row_offsets, col_indices, seq_len_q, seq_len_kv,
-    heads_q, group, stride_layout, layout_batch_stride, layout_head_divisor, qk_scale, out,
-    document_first, document_last, window_left, window_right, NUM_STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, lse, row_order, row_offsets, col_indices, seq_len_q,
+    seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride, layout_head_divisor,
+    qk_scale, out, document_first, document_last, window_left, window_right,
+    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
     KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
 ):  # fmt: skip
-    """Grid (ceil(S_q / 128), H_q, B). q_desc / o_desc: 2-D views [B * S_q, H_q * D] in
-    blocks [64, D] (out: o_desc's tensor); k_desc / v_desc: [B * S_kv, H_kv * D] in blocks
-    [128, D]. The layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
-    qk_scale = softmax_scale * log2(e). The masks (see Masks): HAS_LEFT / HAS_RIGHT keep keys
-    j with i - window_left <= j / j <= i + window_right; HAS_DOCUMENTS keeps the keys of the
-    query's document, from document_first to document_last (int32 [B, S], S_q == S_kv; see
-    document_bounds)."""
+    """Grid (P,): program p runs tiles p, p + P, ... of the ceil(S_q / 128) x B x H_q tiles
+    in _tile's order (row_order: int32 [ceil(S_q / 128)], the query blocks heaviest first);
+    P = the tile count is one tile a program, fewer is persistent. q_desc / o_desc: 2-D views
+    [B * S_q, H_q * D] in blocks [64, D] (out: o_desc's tensor); k_desc / v_desc:
+    [B * S_kv, H_kv * D] in blocks [128, D]. The layout row of (b, h) is
+    b * layout_batch_stride + h // layout_head_divisor. qk_scale = softmax_scale * log2(e).
+    The masks (see Masks): HAS_LEFT / HAS_RIGHT keep keys j with i - window_left <= j /
+    j <= i + window_right; HAS_DOCUMENTS keeps the keys of the query's document, from
+    document_first to document_last (int32 [B, S], S_q == S_kv; see document_bounds)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL)
-    query_block = gl.program_id(0)
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
-
-    row = row_offsets + (batch * layout_batch_stride + head // layout_head_divisor) * stride_layout
-    start = gl.load(row + query_block)
-    end = gl.load(row + query_block + 1)
-    q_row = batch * seq_len_q + query_block * (2 * HALF)
-    q_col = head * HEAD_DIM
-    kv_row = batch * seq_len_kv
-    kv_col = (head // group) * HEAD_DIM
-    lse_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q + query_block * (2 * HALF)
+    num_tiles = (seq_len_q + 2 * HALF - 1) // (2 * HALF) * heads_q * batch
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KV_ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KV_ROWS, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -466,6 +534,7 @@ def _forward_kernel(
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # the half's consumer warpgroup
         mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -476,16 +545,16 @@ def _forward_kernel(
         mbarrier.arrive(turns.index(0))  # the first warpgroup issues first
     fence_async_shared()
 
-    documents = batch * seq_len_kv
-    bounds = (seq_len_kv, window_left, window_right, document_first + documents,
-              document_last + documents)  # fmt: skip
+    tiles = (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor,
+             heads_q, batch, group, seq_len_q, seq_len_kv)  # fmt: skip
+    bounds = (seq_len_kv, window_left, window_right, document_first, document_last)
     tail = (out, seq_len_q, heads_q * HEAD_DIM)
     # A tuple bound to a name holds tensors only: the constexprs go to the partitions apart.
-    shared = (q_smem, k_smem, v_smem, o_desc, q_ready, k_ready, k_empty, v_ready, v_empty, turns,
-              lse, col_indices, start, end, q_row, q_col, lse_offset, qk_scale,
-              query_block * (2 * HALF), bounds, tail)  # fmt: skip
-    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-             v_empty, col_indices, start, end, q_row, q_col, kv_row, kv_col)  # fmt: skip
+    shared = (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty,
+              v_ready, v_empty, turns, lse, col_indices, tiles, num_tiles, qk_scale, bounds,
+              tail)  # fmt: skip
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+             v_ready, v_empty, col_indices, tiles, num_tiles)  # fmt: skip
     # The default partition (this kernel's 4 warps) is the first consumer.
     gl.warp_specialize(
         [(_consumer, (shared, UPPER, PINGPONG, MASKS)),
@@ -501,10 +570,10 @@ def padded_length(seq_len: int) -> int:
 
 
 def shared_memory_need(head_dim: int, num_stages: int, element_size: int = 2) -> int:
-    """Bytes of shared memory the kernel takes: the query tile, the K and V rings, the
-    mbarriers and what warp_specialize passes to its partitions (under 1 KiB)."""
+    """Bytes of shared memory the kernel takes: the query and the output tile, the K and V
+    rings, the mbarriers and what warp_specialize passes to its partitions (under 1 KiB)."""
     tile = BLOCK_N * head_dim * element_size
-    return BLOCK_M * head_dim * element_size + 2 * num_stages * tile + 1024
+    return 2 * BLOCK_M * head_dim * element_size + 2 * num_stages * tile + 1024
 
 
 def _descriptor(tensor: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
@@ -529,7 +598,7 @@ def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check(
     q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, causal, window_size,
-    document_ids, num_stages,
+    document_ids, row_order, num_stages, programs,
 ) -> tuple[int, int]:  # fmt: skip
     """ValueError / TypeError for what the kernel does not handle; returns the layout's
     (batch stride, head divisor)."""
@@ -590,6 +659,15 @@ def _check(
             f"row_offsets must be [L, ceil(S_q / 128) + 1] = [L, {num_q_blocks + 1}] with unit "
             f"stride along its rows (blocks of 128 queries), got {tuple(row_offsets.shape)}"
         )
+    if row_order is not None and not (
+        isinstance(row_order, torch.Tensor) and row_order.dtype == torch.int32
+        and tuple(row_order.shape) == (num_q_blocks,) and row_order.device == q.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"row_order must be int32 [ceil(S_q / 128)] = [{num_q_blocks}] on {q.device} (the "
+            f"query blocks in launch order, as layout.heavy_rows_first() gives them), got "
+            f"{_describe(row_order)}"
+        )
     if document_ids is not None:
         if not isinstance(document_ids, torch.Tensor):
             raise TypeError(f"document_ids must be a tensor or None, got {_describe(document_ids)}")
@@ -611,6 +689,10 @@ def _check(
             f"row_offsets has {rows} rows: it must have layout_batch ({layout_batch}) x "
             f"layout_heads rows, layout_heads in {{1, H_kv = {heads_kv}, H_q = {heads_q}}}"
         )
+    if programs is not None and not (
+        isinstance(programs, int) and not isinstance(programs, bool) and programs > 0
+    ):  # fmt: skip
+        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     if num_stages not in (2, 3, 4):
         raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
     need = shared_memory_need(head_dim, num_stages, q.element_size())
@@ -665,8 +747,10 @@ def attention_forward(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     document_ids: torch.Tensor | None = None,
-    num_stages: int = 3,
+    row_order: torch.Tensor | None = None,
+    num_stages: int = 2,
     pingpong: bool = True,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention forward on Hopper over 128 x 128 blocks, with element masks
     on the blocks they cut.
@@ -687,8 +771,14 @@ def attention_forward(
             a side unbounded.
         document_ids: int32 [B, S] (S_q == S_kv, non-decreasing along S: each document one
             run of tokens): keys of another document are never seen.
+        row_order: int32 [ceil(S_q / 128)], the query blocks in launch order (all of them,
+            once each); None: heaviest first, as layout.heavy_rows_first() (which caches
+            it) gives them.
         num_stages: depth of the K/V shared-memory ring.
         pingpong: the two consumer warpgroups take turns to issue their matmuls.
+        programs: how many programs to launch (at most one per tile of 128 queries and one
+            head): each walks every programs-th tile of the launch order, the next tile's
+            loads running under the last one's end. None: one per SM (persistent).
 
     Returns:
         out like q (contiguous, q's dtype) and lse fp32 [B, H_q, S_q] (natural log; -inf
@@ -701,7 +791,7 @@ def attention_forward(
     """
     layout_batch_stride, layout_head_divisor = _check(
         q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, causal, window_size,
-        document_ids, num_stages,
+        document_ids, row_order, num_stages, programs,
     )  # fmt: skip
     q, k, v = (_rows_contiguous(tensor) for tensor in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
@@ -714,12 +804,16 @@ def attention_forward(
     document_first, document_last = (
         (row_offsets, row_offsets) if document_ids is None else document_bounds(document_ids)
     )  # row_offsets stands in (never read) without documents
-    grid = (padded_length(seq_len_q) // BLOCK_M, heads_q, batch)
+    if row_order is None:
+        row_order = heavy_rows_first(row_offsets)
+    tiles = padded_length(seq_len_q) // BLOCK_M * heads_q * batch
+    grid = (min(tiles, _env.multiprocessors(q.device) if programs is None else programs),)
     _forward_kernel[grid](
         q_desc=_descriptor(q, HALF_M), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, HALF_M), lse=lse,
-        row_offsets=row_offsets, col_indices=col_indices, seq_len_q=seq_len_q,
-        seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // k.shape[2],
+        row_order=row_order, row_offsets=row_offsets, col_indices=col_indices,
+        seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, batch=batch,
+        group=heads_q // k.shape[2],
         stride_layout=row_offsets.stride(0), layout_batch_stride=layout_batch_stride,
         layout_head_divisor=layout_head_divisor, qk_scale=softmax_scale * _env.LOG2_E, out=out,
         document_first=document_first, document_last=document_last,

@@ -25,15 +25,17 @@ HOPPER_SHARED_MEMORY = 232_448
 CONSUMER_REGISTERS = 240  # forward.CONSUMER_REGISTERS, the consumers' setmaxnreg budget
 MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Masks' fields
 
-# The unmasked kernel's instructions (codegen.sass_fingerprint) as compiled at 8e1333f, before
-# the masked path, per Triton version (its bundled ptxas): the variant without masks must
-# keep them. (head_dim, dtype, num_stages, pingpong) -> fingerprint.
+# The unmasked kernel's instructions (codegen.sass_fingerprint) as compiled when the forward
+# became persistent (the launch order row_order, the output tile apart from the query
+# tile), per Triton version (its bundled ptxas): the timed fast path
+# (results/h200/gluon_forward.md) must keep them. (head_dim, dtype, num_stages, pingpong)
+# -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
-        (128, "bf16", 3, True): "afaaaadeb78c43e0",
-        (128, "bf16", 2, False): "28e1d1d30a054871",
-        (128, "fp16", 2, True): "51bd35fd24379a24",
-        (64, "bf16", 3, True): "31b9423a8696ac66",
+        (128, "bf16", 2, True): "d6c3b62dedcdf52d",
+        (128, "bf16", 2, False): "d8995e1ca6066c23",
+        (128, "fp16", 2, True): "f21d23073ef4d162",
+        (64, "bf16", 3, True): "e4826442bf0d16c5",
     },
 }
 
@@ -89,14 +91,13 @@ def compile_variants(folder, variants: list, script: str = SCRIPT) -> list[dict]
     return reports
 
 
-# At the default launch (D=128, bf16, 3 stages, ping-pong: the most registers) no mask,
-# causal alone and all five masks (all 31 combinations compiled to 185-190 consumer
-# registers and no spills: docs/performance.md); the unmasked variant at the other
-# launches, whose instructions are pinned above.
+# At the default launch (D=128, bf16, 2 stages, ping-pong: the most registers) no mask,
+# causal alone and all five masks (no spills: docs/performance.md); the unmasked variant at
+# the other launches, whose instructions are pinned above.
 ALL_MASKS = dict.fromkeys(MASK_NAMES, True)
 MASK_COMBINATIONS = [{}, {"right": True}, ALL_MASKS]
 VARIANTS = [
-    *([128, "bf16", 3, True, masks] for masks in MASK_COMBINATIONS),
+    *([128, "bf16", 2, True, masks] for masks in MASK_COMBINATIONS),
     *([*launch, {}] for launch in ([128, "bf16", 2, False], [128, "fp16", 2, True],
                                    [64, "bf16", 3, True])),
 ]  # fmt: skip
@@ -148,8 +149,8 @@ def test_backward_compiles_for_hopper(tmp_path):
 
 
 def test_unmasked_variant_keeps_its_instructions(reports):
-    """Without masks the kernel compiles to the instructions it had before the masked path
-    (the measured fast path), up to shared-memory offsets."""
+    """Without masks the kernel compiles to the pinned instructions (the measured fast
+    path), up to shared-memory offsets."""
     expected = FAST_PATH_SASS.get(triton.__version__)
     if expected is None:
         pytest.skip(f"no recorded fingerprints for Triton {triton.__version__}")
@@ -290,22 +291,27 @@ GPU_CASES = {
 }  # fmt: skip
 
 
-# (case, dtype, num_stages, pingpong): every case in both dtypes with the launcher's
-# defaults, and the other rings and turn-taking on an unmasked and a masked case each.
+# (case, dtype, launch options): every case in both dtypes with the launcher's defaults
+# (one program per SM: a program runs one tile of these sizes), then on an unmasked, a
+# sparse (an empty row), a ragged and a document case: programs walking several tiles (the
+# ring's, the query halves' and the turns' phases running on across tiles, rows without
+# blocks between them), without turn-taking, and deeper rings at D = 64.
 GPU_RUNS = [
-    *((name, dtype, 3, True) for name in GPU_CASES for dtype in (torch.bfloat16, torch.float16)),
-    *((name, torch.bfloat16, stages, pingpong)
+    *((name, dtype, {}) for name in GPU_CASES for dtype in (torch.bfloat16, torch.float16)),
+    *((name, torch.bfloat16, options)
       for name in ("dense-mha-128", "sparse-per-head-128", "causal-ragged-gqa-64",
                    "documents-causal-ragged-128")
-      for stages, pingpong in ((2, True), (2, False), (3, False))),
-    ("dense-gqa-64", torch.bfloat16, 4, True),
-    ("causal-ragged-gqa-64", torch.bfloat16, 4, True),
+      for options in ({"programs": 1}, {"programs": 5}, {"programs": 3, "pingpong": False},
+                      {"pingpong": False})),
+    ("dense-gqa-64", torch.bfloat16, {"num_stages": 4, "programs": 2}),
+    ("causal-ragged-gqa-64", torch.bfloat16, {"num_stages": 3, "programs": 7}),
+    ("causal-sees-nothing-128", torch.bfloat16, {"programs": 2}),
 ]  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, dtype, num_stages, pingpong", GPU_RUNS)
-def test_within_twice_torch_error(name, dtype, num_stages, pingpong, poisoned_allocations):
+@pytest.mark.parametrize("name, dtype, options", GPU_RUNS)
+def test_within_twice_torch_error(name, dtype, options, poisoned_allocations):
     """out and lse against float64: error at most 2x that of PyTorch in the same dtype;
     outputs poisoned with NaN first, so an element left unwritten fails."""
     if not hopper():
@@ -324,7 +330,7 @@ def test_within_twice_torch_error(name, dtype, num_stages, pingpong, poisoned_al
     out, lse = attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=scale,
         layout_batch=layout.layout_batch, causal=case.causal, window_size=case.window_size,
-        document_ids=documents, num_stages=num_stages, pingpong=pingpong,
+        document_ids=documents, **options,
     )  # fmt: skip
     mask = layout_mask(layout, case.batch, case.heads_q, causal=case.causal,
                        window_size=case.window_size, document_ids=documents)  # fmt: skip
@@ -358,7 +364,18 @@ def test_refuses_what_it_does_not_handle():
         attention_forward(q, k, v, layout.row_offsets[:, :2], layout.col_indices,
                           softmax_scale=0.1)  # fmt: skip
     with pytest.raises(ValueError, match="shared memory"):
-        attention_forward(q, k, v, *arguments, softmax_scale=0.1, num_stages=4)
+        attention_forward(q, k, v, *arguments, softmax_scale=0.1, num_stages=3)
+    with pytest.raises(ValueError, match="row_order must be"):
+        attention_forward(
+            q,
+            k,
+            v,
+            *arguments,
+            softmax_scale=0.1,
+            row_order=torch.arange(3, dtype=torch.int32, device="cuda"),
+        )
+    with pytest.raises(ValueError, match="programs must be"):
+        attention_forward(q, k, v, *arguments, softmax_scale=0.1, programs=0)
     with pytest.raises(TypeError, match="document_ids must be int32"):
         attention_forward(q, k, v, *arguments, softmax_scale=0.1, document_ids=documents.long())
     with pytest.raises(ValueError, match="document_ids must be"):
