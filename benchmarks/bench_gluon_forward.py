@@ -57,15 +57,16 @@ from flash_msa import patterns
 HEADS = 16
 TARGET_TFLOPS = 600.0
 CHECK_SEQ_LEN = 1024
-# Variants: launch options of attention_forward (2 stages, one program per SM by default);
-# one_per_tile: a program per tile instead. Turn-taking alternates, so that a failure of one
-# mode still leaves the other's figures.
-UNMASKED_VARIANTS = [
-    dict(pingpong=True),
-    dict(pingpong=False),
-    dict(pingpong=True, one_per_tile=True),
+# Variants: launch options of attention_forward (2 stages, ping-pong, one program per SM and
+# head groups that fit L2 by default); one_per_tile: a program per tile instead.
+VARIANTS = [
+    dict(),
+    dict(head_group=1),
+    dict(one_per_tile=True),
+    dict(one_per_tile=True, head_group=1),
 ]
-MASKED_VARIANTS = [dict(pingpong=True), dict(pingpong=True, one_per_tile=True)]
+UNMASKED_VARIANTS = [*VARIANTS, dict(pingpong=False)]
+MASKED_VARIANTS = VARIANTS
 MASKED_CASES = {  # name: sequence length, layout (seq_len, device) -> BlockLayout; causal
     "causal-16k": (16 * K, causal_layout),
     "causal-32k": (32 * K, causal_layout),
@@ -81,9 +82,10 @@ SDPA = "sdpa_cudnn"
 
 
 def variant_name(variant: dict) -> str:
-    turns = "pingpong" if variant["pingpong"] else "no pingpong"
     programs = "a program per tile" if variant.get("one_per_tile") else "persistent"
-    return f"gluon {programs}, {turns}"
+    heads = variant.get("head_group", "L2")
+    turns = "" if variant.get("pingpong", True) else ", no pingpong"
+    return f"gluon {programs}, head group {heads}{turns}"
 
 
 def launch_options(variant: dict, tiles: int) -> dict:

@@ -53,15 +53,22 @@ def shared_memory(device: torch.device) -> int:
 
 
 @functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _device_properties(device: torch.device):
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def multiprocessors(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device."""
-    return _multiprocessors(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    return _device_properties(device).multi_processor_count
+
+
+def l2_cache(device: torch.device) -> int:
+    """Bytes of L2 cache of a CUDA device."""
+    return _device_properties(device).L2_cache_size
 
 
 def can_run_triton(device: torch.device) -> bool:

@@ -27,15 +27,15 @@ MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Mask
 
 # The unmasked kernel's instructions (codegen.sass_fingerprint) as compiled when the forward
 # became persistent (the launch order row_order, the output tile apart from the query
-# tile), per Triton version (its bundled ptxas): the timed fast path
+# tile, head groups), per Triton version (its bundled ptxas): the timed fast path
 # (results/h200/gluon_forward.md) must keep them. (head_dim, dtype, num_stages, pingpong)
 # -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
-        (128, "bf16", 2, True): "d6c3b62dedcdf52d",
-        (128, "bf16", 2, False): "d8995e1ca6066c23",
-        (128, "fp16", 2, True): "f21d23073ef4d162",
-        (64, "bf16", 3, True): "e4826442bf0d16c5",
+        (128, "bf16", 2, True): "73f827950e17bbb2",
+        (128, "bf16", 2, False): "221c1b3ca3b9d531",
+        (128, "fp16", 2, True): "347ed75d0ed39f3b",
+        (64, "bf16", 3, True): "2ff6f6e635fabd1b",
     },
 }
 
