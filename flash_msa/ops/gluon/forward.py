@@ -453,9 +453,7 @@ def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.cons
     count = 0  # blocks consumed so far, over the program's tiles: the ring's position
     loaded = 0  # tiles with active blocks so far: the query half's phase
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        start, end, q_row, q_col, _, _, lse_offset, query_first, batch = _tile(
-            tile, tiles, 2 * ROWS, HEAD_DIM
-        )
+        start, end, _, _, _, _, _, query_first, batch = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
         query_first = query_first + HALF * ROWS
         visible = None
         if MASKS.scores:
@@ -475,6 +473,8 @@ def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.cons
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             log_sum = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
 
+        # The tile's coordinates again, rather than held in registers across its blocks.
+        _, _, q_row, q_col, _, _, lse_offset, _, _ = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
         row_valid = None  # every row is before S_q
         if MASKS.q_tail:
             out, seq_len_q, row_stride = tail
