@@ -57,16 +57,10 @@ from flash_msa import patterns
 HEADS = 16
 TARGET_TFLOPS = 600.0
 CHECK_SEQ_LEN = 1024
-# Variants: launch options of attention_forward (2 stages, ping-pong, one program per SM and
-# head groups that fit L2 by default); one_per_tile: a program per tile instead.
-VARIANTS = [
-    dict(),
-    dict(head_group=1),
-    dict(one_per_tile=True),
-    dict(one_per_tile=True, head_group=1),
-]
-UNMASKED_VARIANTS = [*VARIANTS, dict(pingpong=False)]
-MASKED_VARIANTS = VARIANTS
+# Variants: launch options of attention_forward (2 stages, ping-pong, one program per SM by
+# default); one_per_tile: a program per tile instead.
+MASKED_VARIANTS = [dict(), dict(one_per_tile=True)]
+UNMASKED_VARIANTS = [*MASKED_VARIANTS, dict(pingpong=False)]
 MASKED_CASES = {  # name: sequence length, layout (seq_len, device) -> BlockLayout; causal
     "causal-16k": (16 * K, causal_layout),
     "causal-32k": (32 * K, causal_layout),
@@ -83,9 +77,8 @@ SDPA = "sdpa_cudnn"
 
 def variant_name(variant: dict) -> str:
     programs = "a program per tile" if variant.get("one_per_tile") else "persistent"
-    heads = variant.get("head_group", "L2")
     turns = "" if variant.get("pingpong", True) else ", no pingpong"
-    return f"gluon {programs}, head group {heads}{turns}"
+    return f"gluon {programs}{turns}"
 
 
 def launch_options(variant: dict, tiles: int) -> dict:

@@ -66,11 +66,6 @@ def multiprocessors(device: torch.device) -> int:
     return _device_properties(device).multi_processor_count
 
 
-def l2_cache(device: torch.device) -> int:
-    """Bytes of L2 cache of a CUDA device."""
-    return _device_properties(device).L2_cache_size
-
-
 def can_run_triton(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())

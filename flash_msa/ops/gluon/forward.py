@@ -109,21 +109,18 @@ LN_2: gl.constexpr = gl.constexpr(_env.LN_2)
 
 @gluon.jit
 def _tile(tile, tiles, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Tile `tile` of the launch order: groups of head_group (batch, head) pairs (batch
-    major), within a group the query blocks by descending work (row_order), each over the
-    group's heads; so the tiles that run together read the K and V of few heads (L2) and
-    each group ends on its lightest tiles. Returns its CSR row's entries [start, end), its
-    TMA coordinates q_row, q_col (Q and O), kv_row, kv_col (K and V), lse_offset, the
-    position of its first query and its batch element. tiles = (row_order, row_offsets,
-    stride_layout, layout_batch_stride, layout_head_divisor, heads_q, batch, group,
-    seq_len_q, seq_len_kv, num_q_blocks, head_group): see _forward_kernel."""
+    """Tile `tile` of the launch order: (batch, head) pairs one after the other (batch
+    major), each over its query blocks by descending work (row_order); so the tiles that
+    run together read the K and V of one head (L2), and each head ends on its lightest
+    tiles. Returns its CSR row's entries [start, end), its TMA coordinates q_row, q_col (Q
+    and O), kv_row, kv_col (K and V), lse_offset, the position of its first query and its
+    batch element. tiles = (row_order, row_offsets, stride_layout, layout_batch_stride,
+    layout_head_divisor, heads_q, group, seq_len_q, seq_len_kv, num_q_blocks): see
+    _forward_kernel."""
     (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor, heads_q,
-     batches, group, seq_len_q, seq_len_kv, num_q_blocks, head_group) = tiles  # fmt: skip
-    first_pair = tile // (head_group * num_q_blocks) * head_group
-    within = tile % (head_group * num_q_blocks)
-    pairs = gl.minimum(head_group, heads_q * batches - first_pair)  # the group's heads
-    pair = first_pair + within % pairs  # batch * H_q + head
-    query_block = gl.load(row_order + within // pairs)
+     group, seq_len_q, seq_len_kv, num_q_blocks) = tiles  # fmt: skip
+    pair = tile // num_q_blocks  # batch * H_q + head
+    query_block = gl.load(row_order + tile % num_q_blocks)
     batch = pair // heads_q
     head = pair % heads_q
     row = row_offsets + (batch * layout_batch_stride + head // layout_head_divisor) * stride_layout
@@ -502,17 +499,16 @@ def _masks(left, right, documents, kv_tail, q_tail):
 
 @gluon.jit
 def _forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, lse, row_order, head_group, row_offsets, col_indices,
-    seq_len_q, seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride,
-    layout_head_divisor, qk_scale, out, document_first, document_last, window_left, window_right,
+    q_desc, k_desc, v_desc, o_desc, lse, row_order, row_offsets, col_indices, seq_len_q,
+    seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride, layout_head_divisor,
+    qk_scale, out, document_first, document_last, window_left, window_right,
     NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
     KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
 ):  # fmt: skip
     """Grid (P,): program p runs tiles p, p + P, ... of the ceil(S_q / 128) x B x H_q tiles
-    in _tile's order (row_order: int32 [ceil(S_q / 128)], the query blocks heaviest first,
-    in groups of head_group (batch, head) pairs); P = the tile count is one tile a program,
-    fewer is persistent. q_desc / o_desc: 2-D views
+    in _tile's order (row_order: int32 [ceil(S_q / 128)], the query blocks heaviest first);
+    P = the tile count is one tile a program, fewer is persistent. q_desc / o_desc: 2-D views
     [B * S_q, H_q * D] in blocks [64, D] (out: o_desc's tensor); k_desc / v_desc:
     [B * S_kv, H_kv * D] in blocks [128, D]. The layout row of (b, h) is
     b * layout_batch_stride + h // layout_head_divisor. qk_scale = softmax_scale * log2(e).
@@ -552,8 +548,7 @@ def _forward_kernel(
     fence_async_shared()
 
     tiles = (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor,
-             heads_q, batch, group, seq_len_q, seq_len_kv, num_q_blocks,
-             head_group)  # fmt: skip
+             heads_q, group, seq_len_q, seq_len_kv, num_q_blocks)  # fmt: skip
     bounds = (seq_len_kv, window_left, window_right, document_first, document_last)
     tail = (out, seq_len_q, heads_q * HEAD_DIM)
     # A tuple bound to a name holds tensors only: the constexprs go to the partitions apart.
@@ -583,14 +578,6 @@ def shared_memory_need(head_dim: int, num_stages: int, element_size: int = 2) ->
     return 2 * BLOCK_M * head_dim * element_size + 2 * num_stages * tile + 1024
 
 
-def l2_head_group(k: torch.Tensor, heads_q: int) -> int:
-    """The query heads whose tiles may run together with their K and V ([B, S_kv, H_kv, D])
-    in half the device's L2 cache: whole GQA groups, at least one."""
-    per_kv_head = 2 * k.shape[1] * k.shape[3] * k.element_size()  # K and V
-    kv_heads = max(1, _env.l2_cache(k.device) // 2 // per_kv_head)
-    return kv_heads * (heads_q // k.shape[2])
-
-
 def _descriptor(tensor: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
     """A 2-D TMA view [B * S, H * D] of a [B, S, H, D] tensor with contiguous rows, in
     blocks [rows, columns] (columns: D unless given)."""
@@ -613,7 +600,7 @@ def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check(
     q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, causal, window_size,
-    document_ids, row_order, head_group, num_stages, programs,
+    document_ids, row_order, num_stages, programs,
 ) -> tuple[int, int]:  # fmt: skip
     """ValueError / TypeError for what the kernel does not handle; returns the layout's
     (batch stride, head divisor)."""
@@ -704,11 +691,10 @@ def _check(
             f"row_offsets has {rows} rows: it must have layout_batch ({layout_batch}) x "
             f"layout_heads rows, layout_heads in {{1, H_kv = {heads_kv}, H_q = {heads_q}}}"
         )
-    for name, value in (("head_group", head_group), ("programs", programs)):
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and value > 0
-        ):  # fmt: skip
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    if programs is not None and not (
+        isinstance(programs, int) and not isinstance(programs, bool) and programs > 0
+    ):  # fmt: skip
+        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     if num_stages not in (2, 3, 4):
         raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
     need = shared_memory_need(head_dim, num_stages, q.element_size())
@@ -764,7 +750,6 @@ def attention_forward(
     window_size: tuple[int, int] = (-1, -1),
     document_ids: torch.Tensor | None = None,
     row_order: torch.Tensor | None = None,
-    head_group: int | None = None,
     num_stages: int = 2,
     pingpong: bool = True,
     programs: int | None = None,
@@ -791,8 +776,6 @@ def attention_forward(
         row_order: int32 [ceil(S_q / 128)], the query blocks in launch order (all of them,
             once each); None: heaviest first, as layout.heavy_rows_first() (which caches
             it) gives them.
-        head_group: the (batch, head) pairs whose tiles launch together, each query block
-            over all of them; None: l2_head_group's.
         num_stages: depth of the K/V shared-memory ring.
         pingpong: the two consumer warpgroups take turns to issue their matmuls.
         programs: how many programs to launch (at most one per tile of 128 queries and one
@@ -810,7 +793,7 @@ def attention_forward(
     """
     layout_batch_stride, layout_head_divisor = _check(
         q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, causal, window_size,
-        document_ids, row_order, head_group, num_stages, programs,
+        document_ids, row_order, num_stages, programs,
     )  # fmt: skip
     q, k, v = (_rows_contiguous(tensor) for tensor in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
@@ -825,15 +808,12 @@ def attention_forward(
     )  # row_offsets stands in (never read) without documents
     if row_order is None:
         row_order = heavy_rows_first(row_offsets)
-    if head_group is None:
-        head_group = l2_head_group(k, heads_q)
     tiles = padded_length(seq_len_q) // BLOCK_M * heads_q * batch
     grid = (min(tiles, _env.multiprocessors(q.device) if programs is None else programs),)
     _forward_kernel[grid](
         q_desc=_descriptor(q, HALF_M), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, HALF_M), lse=lse,
-        row_order=row_order, head_group=min(head_group, batch * heads_q),
-        row_offsets=row_offsets, col_indices=col_indices,
+        row_order=row_order, row_offsets=row_offsets, col_indices=col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, batch=batch,
         group=heads_q // k.shape[2],
         stride_layout=row_offsets.stride(0), layout_batch_stride=layout_batch_stride,

@@ -27,15 +27,15 @@ MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Mask
 
 # The unmasked kernel's instructions (codegen.sass_fingerprint) as compiled when the forward
 # became persistent (the launch order row_order, the output tile apart from the query
-# tile, head groups), per Triton version (its bundled ptxas): the timed fast path
+# tile), per Triton version (its bundled ptxas): the timed fast path
 # (results/h200/gluon_forward.md) must keep them. (head_dim, dtype, num_stages, pingpong)
 # -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
-        (128, "bf16", 2, True): "ebb7e35ff4edbae4",
-        (128, "bf16", 2, False): "426c984fef8fc4aa",
-        (128, "fp16", 2, True): "58bf1fd58b574dda",
-        (64, "bf16", 3, True): "99559e2d80f6d0ed",
+        (128, "bf16", 2, True): "87b59721db3473d7",
+        (128, "bf16", 2, False): "3428c3178a575959",
+        (128, "fp16", 2, True): "5f91f91a63198c70",
+        (64, "bf16", 3, True): "5929f72ae8f25758",
     },
 }
 
@@ -123,9 +123,7 @@ def test_forward_compiles_for_hopper(reports):
         name = label(report)
         assert report["wgmma"], f"{name}: no warpgroup MMA"
         assert not report["warnings"], f"{name}: {report['warnings']}"  # wgmma serialised
-        # At most the one register ptxas stores before the partitions' setmaxnreg and loads
-        # after it (all five masks), never in the loops.
-        assert report["spills"] <= 4, f"{name}: {report['spills']} bytes of spills"
+        assert report["spills"] == 0, f"{name}: {report['spills']} bytes of spills"
         assert report["max_register"] <= CONSUMER_REGISTERS, name
         assert CONSUMER_REGISTERS in report["setmaxnreg"], f"{name}: {report['setmaxnreg']}"
         assert report["shared"] <= HOPPER_SHARED_MEMORY, f"{name}: {report['shared']} bytes"
