@@ -11,8 +11,8 @@ bf16, B=1, H=16, D=128, blocks of 128. The unmasked case (--seq-len) has every b
 (the all-active CSR of patterns.from_dense_mask); the masked cases (--cases, '' for none) are
 causal=True over common.py's layouts (causal: the lower block triangle; window: sliding
 window 4096 + 128 global tokens; top-k: 16 blocks a row), where the diagonal and window-edge
-blocks are partial. The Gluon variants (2 stages, the launch order heaviest rows first):
-persistent (a program per SM) or a program per tile, ping-pong on / off where unmasked. Each
+blocks are partial. The Gluon variants (2 stages, the launch order heaviest rows first): a
+program per tile or persistent (a program per SM), ping-pong on / off where unmasked. Each
 first passes a correctness check against float64 (error of out and lse at most 2x
 PyTorch's in bf16, outputs poisoned with NaN beforehand, persistent variants on 7 programs
 that walk several tiles each; unmasked: dense and a random block-sparse CSR with an empty row
@@ -57,9 +57,9 @@ from flash_msa import patterns
 HEADS = 16
 TARGET_TFLOPS = 600.0
 CHECK_SEQ_LEN = 1024
-# Variants: launch options of attention_forward (2 stages, ping-pong, one program per SM by
-# default); one_per_tile: a program per tile instead.
-MASKED_VARIANTS = [dict(), dict(one_per_tile=True)]
+# Variants: launch options of attention_forward (2 stages, ping-pong, one program per tile
+# by default); persistent: one program per SM instead.
+MASKED_VARIANTS = [dict(), dict(persistent=True)]
 UNMASKED_VARIANTS = [*MASKED_VARIANTS, dict(pingpong=False)]
 MASKED_CASES = {  # name: sequence length, layout (seq_len, device) -> BlockLayout; causal
     "causal-16k": (16 * K, causal_layout),
@@ -76,17 +76,16 @@ SDPA = "sdpa_cudnn"
 
 
 def variant_name(variant: dict) -> str:
-    programs = "a program per tile" if variant.get("one_per_tile") else "persistent"
+    programs = "persistent" if variant.get("persistent") else "a program per tile"
     turns = "" if variant.get("pingpong", True) else ", no pingpong"
     return f"gluon {programs}{turns}"
 
 
-def launch_options(variant: dict, tiles: int) -> dict:
-    """attention_forward's options for a variant on a call of `tiles` tiles (128 queries x
-    one head)."""
-    options = {key: value for key, value in variant.items() if key != "one_per_tile"}
-    if variant.get("one_per_tile"):
-        options["programs"] = tiles
+def launch_options(variant: dict, device) -> dict:
+    """attention_forward's options for a variant: persistent is one program per SM."""
+    options = {key: value for key, value in variant.items() if key != "persistent"}
+    if variant.get("persistent"):
+        options["programs"] = torch.cuda.get_device_properties(device).multi_processor_count
     return options
 
 
@@ -165,9 +164,9 @@ def check(forward, variant: dict, masked: bool, device) -> dict:
     scale = HEAD_DIM**-0.5
     report, passed = {}, True
     for name, (q, k, v, layout, causal) in check_inputs(masked, device).items():
-        tiles = layout.num_q_blocks * q.shape[0] * q.shape[2]
-        options = launch_options(variant, tiles)
-        options.setdefault("programs", CHECK_PROGRAMS)
+        options = launch_options(variant, device)
+        if variant.get("persistent"):
+            options["programs"] = CHECK_PROGRAMS
         first, second = poisoned()
         with first, second:
             out, lse = forward(q, k, v, layout.row_offsets, layout.col_indices,
@@ -214,7 +213,7 @@ def run_variant(variant: dict, name: str, seq_len: int) -> dict:
                              requires_grad=())  # fmt: skip
     q, k, v = tensors.values()
     layout = build(seq_len, device)
-    options = launch_options(variant, layout.num_q_blocks * HEADS)
+    options = launch_options(variant, device)
     record.update(timed(lambda: attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=HEAD_DIM**-0.5,
         causal=causal, row_order=layout.heavy_rows_first(), **options,

@@ -52,20 +52,6 @@ def shared_memory(device: torch.device) -> int:
     return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.cache
-def _properties(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
-def _device_properties(device: torch.device):
-    return _properties(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA device."""
-    return _device_properties(device).multi_processor_count
-
-
 def can_run_triton(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())

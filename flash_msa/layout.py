@@ -89,7 +89,6 @@ class BlockLayout:
         self._transposed: BlockLayout | None = None
         self._transpose_entries: torch.Tensor | None = None
         self._heavy_rows_first: torch.Tensor | None = None
-        self._row_work: tuple[int, int, int] | None = None
         self._versions = self._tensor_versions()
         if validate:
             self._validate()
@@ -221,15 +220,6 @@ class BlockLayout:
         if self._heavy_rows_first is None:
             self._heavy_rows_first = heavy_rows_first(self.row_offsets)
         return self._heavy_rows_first
-
-    def row_work(self) -> tuple[int, int, int]:
-        """(lightest, heaviest, total): the active blocks of the lightest and of the heaviest
-        row over the L layouts, and of all rows; cached (read from the device once)."""
-        if self._row_work is None:
-            counts = self.row_counts()
-            self._row_work = tuple(int(value) for value in (counts.min(), counts.max(),
-                                                            counts.sum()))  # fmt: skip
-        return self._row_work
 
     def entry_rows(self) -> torch.Tensor:
         """Flat row id (layout * num_q_blocks + row) of each entry, int64 [nnz]."""

@@ -1,14 +1,14 @@
 """The "gluon" backend: Hopper (sm_90) kernels in Triton's Gluon dialect.
 
 The forward is warp-specialised over 128 x 128 blocks (forward.py), its tiles launched
-heaviest first, by persistent programs where rows are about even: full blocks take no mask
-work, blocks cut by the causal diagonal, a window edge, a document boundary or a ragged end
-are masked in registers. The backward (backward.py) computes dK and dV over the transposed
-layout in Gluon and dQ with the Triton dQ kernel: deterministic. With deterministic=False
-the call takes the faster "atomic" mode: dQ beside dK and dV in the one kernel, added with
-TMA reduce-adds in a varying order. Calls with documents take the Triton backward, faster
-there. It takes causal, window_size, documents and any sequence lengths; the registry passes what
-it refuses (dropout, per-token query masks, and what _check names) to the next backend.
+heaviest first: full blocks take no mask work, blocks cut by the causal diagonal, a window
+edge, a document boundary or a ragged end are masked in registers. The backward
+(backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
+dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode:
+dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. Calls
+with documents take the Triton backward, faster there. It takes causal, window_size,
+documents and any sequence lengths; the registry passes what it refuses (dropout, per-token
+query masks, and what _check names) to the next backend.
 """
 
 import functools
@@ -21,22 +21,6 @@ from flash_msa.ops.gluon.forward import BLOCK_M, HEAD_DIMS, attention_forward, p
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
 from flash_msa.ops.triton import attention_backward as triton_backward
 
-# Persistent programs take static shares of the tiles: they are the faster where rows are
-# about even (window, top-k: 1.5-4.5%), one program per tile (handed out as SMs free up) where
-# they are not (causal: persistent shares 7-8% slower; docs/performance.md).
-EVEN_ROWS = 0.02  # the largest row spread, as a fraction of a program's share of the work
-
-
-def _programs(layout, q: torch.Tensor) -> int | None:
-    """None (one persistent program per SM) where the rows' spread in work is at most
-    EVEN_ROWS of a program's share, else one program per tile."""
-    lightest, heaviest, total = layout.row_work()
-    batch, seq_len_q, heads_q, _ = q.shape
-    tiles = padded_length(seq_len_q) // BLOCK_M * heads_q * batch
-    programs = _env.multiprocessors(q.device)
-    share = total * (tiles // layout.num_q_blocks / layout.num_layouts) / programs
-    return None if heaviest - lightest <= EVEN_ROWS * share else tiles
-
 
 def _forward(
     q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, **without_dropout
@@ -47,7 +31,6 @@ def _forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=softmax_scale,
         layout_batch=layout.layout_batch, causal=causal, window_size=window_size,
         document_ids=document_ids, row_order=layout.heavy_rows_first(),
-        programs=_programs(layout, q),
     )  # fmt: skip
 
 

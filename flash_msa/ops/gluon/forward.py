@@ -778,9 +778,10 @@ def attention_forward(
             it) gives them.
         num_stages: depth of the K/V shared-memory ring.
         pingpong: the two consumer warpgroups take turns to issue their matmuls.
-        programs: how many programs to launch (at most one per tile of 128 queries and one
-            head): each walks every programs-th tile of the launch order, the next tile's
-            loads running under the last one's end. None: one per SM (persistent).
+        programs: None, one program per tile of 128 queries and one head (the GPU hands
+            the tiles out in launch order as SMs free up); a number, that many persistent
+            programs (at most one per tile), each walking every programs-th tile, the next
+            tile's loads running under the last one's end.
 
     Returns:
         out like q (contiguous, q's dtype) and lse fp32 [B, H_q, S_q] (natural log; -inf
@@ -809,7 +810,7 @@ def attention_forward(
     if row_order is None:
         row_order = heavy_rows_first(row_offsets)
     tiles = padded_length(seq_len_q) // BLOCK_M * heads_q * batch
-    grid = (min(tiles, _env.multiprocessors(q.device) if programs is None else programs),)
+    grid = (tiles if programs is None else min(tiles, programs),)
     _forward_kernel[grid](
         q_desc=_descriptor(q, HALF_M), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, HALF_M), lse=lse,

@@ -291,11 +291,11 @@ GPU_CASES = {
 }  # fmt: skip
 
 
-# (case, dtype, launch options): every case in both dtypes with the launcher's defaults
-# (one program per SM: a program runs one tile of these sizes), then on an unmasked, a
-# sparse (an empty row), a ragged and a document case: programs walking several tiles (the
-# ring's, the query halves' and the turns' phases running on across tiles, rows without
-# blocks between them), without turn-taking, and deeper rings at D = 64.
+# (case, dtype, launch options): every case in both dtypes with the launcher's defaults (a
+# program per tile), then on an unmasked, a sparse (an empty row), a ragged and a document
+# case: persistent programs walking several tiles (the ring's, the query halves' and the
+# turns' phases running on across tiles, rows without blocks between them), without
+# turn-taking, and deeper rings at D = 64.
 GPU_RUNS = [
     *((name, dtype, {}) for name in GPU_CASES for dtype in (torch.bfloat16, torch.float16)),
     *((name, torch.bfloat16, options)
