@@ -379,20 +379,21 @@ def wall_ms(build: Callable[[], object], device: torch.device, repeats: int):
 def timed(step: Callable[[], object], grad_to_none=None, *, device=None) -> dict:
     """Median ms of step, after one call. On CUDA (device None or a CUDA device) over
     do_bench's runs, with the peak memory of those runs in GiB; on the CPU over wall-clock
-    runs, as many as fill about half a second (3 to 100)."""
-    if device is None or torch.device(device).type == "cuda":
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms = triton.testing.do_bench(
-            step, warmup=100, rep=500, grad_to_none=grad_to_none, return_mode="median"
-        )
-        return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    runs, as many as fill about half a second (3 to 100). The tensors of grad_to_none have
+    their .grad set to None before every call, warm-up calls included: a gradient from the
+    call before would otherwise be added to, with both alive at once."""
 
     def run():
         for tensor in grad_to_none or ():
             tensor.grad = None
         return step()
+
+    if device is None or torch.device(device).type == "cuda":
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms = triton.testing.do_bench(run, warmup=100, rep=500, return_mode="median")
+        return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
     cpu = torch.device("cpu")
     first_ms, _ = wall_ms(run, cpu, repeats=1)

@@ -121,3 +121,30 @@ def test_case_flops_count_the_computed_pairs():
     expected = sum(4 * head_dim * length * length / 2 for length in lengths) * heads
     assert documents.flops(heads, head_dim) == expected
     assert window.flops(heads, head_dim) == window.layout.flops(head_dim) * heads
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_timed_clears_gradients_before_every_call(device, monkeypatch):
+    """Every call, the first and do_bench's warm-up ones included, starts with .grad None:
+    a gradient kept from the call before would be accumulated into (two alive at once, a
+    peak that training with fresh gradients never has). On the CPU a stand-in do_bench that
+    calls the step 5 times without clearing anything plays the GPU's."""
+    x = torch.ones(3, requires_grad=True)
+    seen = []
+
+    def step():
+        seen.append(x.grad is None)
+        (x * 2).sum().backward()
+
+    if device == "cuda" and not torch.cuda.is_available():
+        def do_bench(fn, **options):
+            for _ in range(5):
+                fn()
+            return 1.0
+
+        monkeypatch.setattr(bench.triton.testing, "do_bench", do_bench)
+        for name in ("synchronize", "reset_peak_memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, lambda: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    result = bench.timed(step, [x], device=device)
+    assert result["ms"] > 0 and len(seen) >= 4 and all(seen), seen
