@@ -88,8 +88,8 @@ def compile_forward(
         o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
         k_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
         v_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
-        lse="*fp32", row_order="*i32", row_offsets="*i32", col_indices="*i32", qk_scale="fp32",
-        out=f"*{dtype}",
+        lse="*fp32", row_order="*i32", next_tile="*i32", row_offsets="*i32", col_indices="*i32",
+        qk_scale="fp32", out=f"*{dtype}",
         document_first="*i32", document_last="*i32",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, **masks.constexprs())

@@ -133,22 +133,61 @@ def _tile(tile, tiles, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
             lse_offset, query_first, batch)  # fmt: skip
 
 
+@gluon.constexpr_function
+def _scalar_layout(warps):
+    """A [1, 1] tensor over `warps` warps (every thread holds the one element)."""
+    return gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1],
+                            warps_per_cta=[warps, 1], order=[1, 0])  # fmt: skip
+
+
+@gluon.jit
+def _publish(tile, taken, schedule):
+    """The producer: tile index `tile` into slot `taken` % 2 of the schedule, once both
+    consumers have taken what the slot held before. schedule = (tile_ids, tile_ready,
+    tile_empty): int32 [2, 1, 1] shared memory and its slots' mbarriers."""
+    tile_ids, tile_ready, tile_empty = schedule
+    slot = taken % 2
+    mbarrier.wait(tile_empty.index(slot), ((taken // 2) & 1) ^ 1)
+    tile_ids.index(slot).store(gl.full([1, 1], tile, gl.int32, _scalar_layout(1)))
+    mbarrier.arrive(tile_ready.index(slot))
+
+
+@gluon.jit
+def _take(taken, schedule, WARPS: gl.constexpr):
+    """A consumer: the tile index in slot `taken` % 2 of the schedule (see _publish)."""
+    tile_ids, tile_ready, tile_empty = schedule
+    slot = taken % 2
+    mbarrier.wait(tile_ready.index(slot), (taken // 2) & 1)
+    tile = gl.max(gl.max(tile_ids.index(slot).load(_scalar_layout(WARPS)), axis=1), axis=0)
+    mbarrier.arrive(tile_empty.index(slot))
+    return tile
+
+
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-    v_ready, v_empty, col_indices, tiles, num_tiles,
+    v_ready, v_empty, col_indices, tiles, num_tiles, schedule, next_tile,
 ):  # fmt: skip
-    """One warp, over the program's tiles: the query halves of each tile once its consumers
-    are done with the previous tile's (so they load while that tile ends), then K and V of
-    each active block of the row into the ring (a slot is refilled once both consumers
-    released it; the ring runs on across tiles)."""
+    """One warp, over the tiles it hands its program: its first is the program's index, each
+    next one taken from the counter next_tile (int32, 0 at launch) plus the program count,
+    so programs that finish early take more tiles. For each, the tile's index to the
+    consumers (schedule, see _publish), the query halves once the consumers are done with
+    the previous tile's (so they load while that tile ends), then K and V of each active
+    block of the row into the ring (a slot is refilled once both consumers released it; the
+    ring runs on across tiles). Past the last tile, num_tiles tells the consumers to stop."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     count = 0  # blocks loaded so far, over the program's tiles: the ring's position
     loaded = 0  # tiles with active blocks so far: the query halves' phase
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    taken = 0  # tile indices handed to the consumers so far
+    tile = gl.program_id(0)
+    while tile < num_tiles:
+        _publish(tile, taken, schedule)
+        taken += 1
+        # The next tile's index arrives while this one's loads are issued.
+        following = gl.atomic_add(next_tile, 1) + gl.num_programs(0)
         start, end, q_row, q_col, kv_row, kv_col, _, _, _ = _tile(tile, tiles, 2 * HALF, HEAD_DIM)
         if end > start:
             for half in gl.static_range(2):
@@ -179,6 +218,8 @@ def _producer(
                     v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
                 )
                 count += 1
+        tile = following
+    _publish(num_tiles, taken, schedule)
 
 
 @gluon.jit
@@ -428,13 +469,13 @@ def _attend(
 
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.constexpr):
-    """One warpgroup, over the program's tiles: rows HALF * 64 .. HALF * 64 + 63 of each
-    query tile. Its output leaves through o_smem by TMA while the next tile runs. bounds =
-    (S_kv, window_left, window_right, document_first, document_last) with the documents'
-    bounds of batch element 0 (see _visible_keys); tail = (out, S_q, H_q * D): out's
-    pointer, for a half that ends past S_q."""
+    """One warpgroup, over the tiles the producer hands it (schedule, see _take): rows HALF * 64
+    .. HALF * 64 + 63 of each query tile. Its output leaves through o_smem by TMA while the next
+    tile runs. bounds = (S_kv, window_left, window_right, document_first, document_last) with
+    the documents' bounds of batch element 0 (see _visible_keys); tail = (out, S_q, H_q * D):
+    out's pointer, for a half that ends past S_q."""
     (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turns, lse, col_indices, tiles, num_tiles, qk_scale, bounds,
+     v_empty, turns, lse, col_indices, tiles, num_tiles, schedule, qk_scale, bounds,
      tail) = shared  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -449,7 +490,9 @@ def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.cons
     rows = gl.arange(0, ROWS, layout=s_rows)
     count = 0  # blocks consumed so far, over the program's tiles: the ring's position
     loaded = 0  # tiles with active blocks so far: the query half's phase
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    tile = _take(0, schedule, CONSUMER_WARPS)
+    taken = 1
+    while tile < num_tiles:
         start, end, _, _, _, _, _, query_first, batch = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
         query_first = query_first + HALF * ROWS
         visible = None
@@ -489,6 +532,8 @@ def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.cons
                 _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
         else:
             _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
+        tile = _take(taken, schedule, CONSUMER_WARPS)
+        taken += 1
     tma.store_wait(0)
 
 
@@ -499,22 +544,23 @@ def _masks(left, right, documents, kv_tail, q_tail):
 
 @gluon.jit
 def _forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, lse, row_order, row_offsets, col_indices, seq_len_q,
-    seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride, layout_head_divisor,
-    qk_scale, out, document_first, document_last, window_left, window_right,
+    q_desc, k_desc, v_desc, o_desc, lse, row_order, next_tile, row_offsets, col_indices,
+    seq_len_q, seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride,
+    layout_head_divisor, qk_scale, out, document_first, document_last, window_left, window_right,
     NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
     KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
 ):  # fmt: skip
-    """Grid (P,): program p runs tiles p, p + P, ... of the ceil(S_q / 128) x B x H_q tiles
-    in _tile's order (row_order: int32 [ceil(S_q / 128)], the query blocks heaviest first);
-    P = the tile count is one tile a program, fewer is persistent. q_desc / o_desc: 2-D views
-    [B * S_q, H_q * D] in blocks [64, D] (out: o_desc's tensor); k_desc / v_desc:
-    [B * S_kv, H_kv * D] in blocks [128, D]. The layout row of (b, h) is
-    b * layout_batch_stride + h // layout_head_divisor. qk_scale = softmax_scale * log2(e).
-    The masks (see Masks): HAS_LEFT / HAS_RIGHT keep keys j with i - window_left <= j /
-    j <= i + window_right; HAS_DOCUMENTS keeps the keys of the query's document, from
-    document_first to document_last (int32 [B, S], S_q == S_kv; see document_bounds)."""
+    """Grid (P,) over the ceil(S_q / 128) x B x H_q tiles in _tile's order (row_order: int32
+    [ceil(S_q / 128)], the query blocks heaviest first): program p runs tile p, then as long as
+    tiles are left the next one of the order (next_tile: an int32 counter, 0 at launch); P = the
+    tile count is one tile a program, fewer is persistent. q_desc / o_desc: 2-D views [B * S_q,
+    H_q * D] in blocks [64, D] (out: o_desc's tensor); k_desc / v_desc: [B * S_kv, H_kv * D] in
+    blocks [128, D]. The layout row of (b, h) is b * layout_batch_stride + h //
+    layout_head_divisor. qk_scale = softmax_scale * log2(e). The masks (see Masks): HAS_LEFT /
+    HAS_RIGHT keep keys j with i - window_left <= j / j <= i + window_right; HAS_DOCUMENTS keeps
+    the keys of the query's document, from document_first to document_last (int32 [B, S], S_q ==
+    S_kv; see document_bounds)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
@@ -534,10 +580,17 @@ def _forward_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_ids = gl.allocate_shared_memory(
+        gl.int32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    )
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # the half's consumer warpgroup
         mbarrier.init(turns.index(i), count=1)
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -552,11 +605,12 @@ def _forward_kernel(
     bounds = (seq_len_kv, window_left, window_right, document_first, document_last)
     tail = (out, seq_len_q, heads_q * HEAD_DIM)
     # A tuple bound to a name holds tensors only: the constexprs go to the partitions apart.
+    schedule = (tile_ids, tile_ready, tile_empty)
     shared = (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, turns, lse, col_indices, tiles, num_tiles, qk_scale, bounds,
-              tail)  # fmt: skip
+              v_ready, v_empty, turns, lse, col_indices, tiles, num_tiles, schedule, qk_scale,
+              bounds, tail)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, col_indices, tiles, num_tiles)  # fmt: skip
+             v_ready, v_empty, col_indices, tiles, num_tiles, schedule, next_tile)  # fmt: skip
     # The default partition (this kernel's 4 warps) is the first consumer.
     gl.warp_specialize(
         [(_consumer, (shared, UPPER, PINGPONG, MASKS)),
@@ -814,7 +868,8 @@ def attention_forward(
     _forward_kernel[grid](
         q_desc=_descriptor(q, HALF_M), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, HALF_M), lse=lse,
-        row_order=row_order, row_offsets=row_offsets, col_indices=col_indices,
+        row_order=row_order, next_tile=torch.zeros(1, dtype=torch.int32, device=q.device),
+        row_offsets=row_offsets, col_indices=col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, batch=batch,
         group=heads_q // k.shape[2],
         stride_layout=row_offsets.stride(0), layout_batch_stride=layout_batch_stride,

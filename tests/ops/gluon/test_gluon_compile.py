@@ -25,17 +25,16 @@ HOPPER_SHARED_MEMORY = 232_448
 CONSUMER_REGISTERS = 240  # forward.CONSUMER_REGISTERS, the consumers' setmaxnreg budget
 MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Masks' fields
 
-# The unmasked kernel's instructions (codegen.sass_fingerprint) as compiled when the forward
-# became persistent (the launch order row_order, the output tile apart from the query
-# tile), per Triton version (its bundled ptxas): the timed fast path
-# (results/h200/gluon_forward.md) must keep them. (head_dim, dtype, num_stages, pingpong)
-# -> fingerprint.
+# The unmasked kernel's instructions (codegen.sass_fingerprint) as compiled once its
+# producer hands each program's tiles to the consumers at run time (next_tile), per Triton
+# version (its bundled ptxas): a change to the fast path's code must be deliberate.
+# (head_dim, dtype, num_stages, pingpong) -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
-        (128, "bf16", 2, True): "87b59721db3473d7",
-        (128, "bf16", 2, False): "3428c3178a575959",
-        (128, "fp16", 2, True): "5f91f91a63198c70",
-        (64, "bf16", 3, True): "5929f72ae8f25758",
+        (128, "bf16", 2, True): "d0b6042b455e57b2",
+        (128, "bf16", 2, False): "55340ce358322998",
+        (128, "fp16", 2, True): "0e48bbc0d19c7d80",
+        (64, "bf16", 3, True): "ee21847dc0313f66",
     },
 }
 
@@ -123,7 +122,9 @@ def test_forward_compiles_for_hopper(reports):
         name = label(report)
         assert report["wgmma"], f"{name}: no warpgroup MMA"
         assert not report["warnings"], f"{name}: {report['warnings']}"  # wgmma serialised
-        assert report["spills"] == 0, f"{name}: {report['spills']} bytes of spills"
+        # At most the one register ptxas stores before the partitions' setmaxnreg and loads
+        # after it (all five masks: docs/performance.md), never in the loops.
+        assert report["spills"] <= 4, f"{name}: {report['spills']} bytes of spills"
         assert report["max_register"] <= CONSUMER_REGISTERS, name
         assert CONSUMER_REGISTERS in report["setmaxnreg"], f"{name}: {report['setmaxnreg']}"
         assert report["shared"] <= HOPPER_SHARED_MEMORY, f"{name}: {report['shared']} bytes"
