@@ -71,15 +71,15 @@ def sass_fingerprint(sass: str) -> str:
 
 def compile_forward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    pingpong: bool = True, masks=None,
+    pingpong: bool = True, masks=None, persistent: bool = False,
 ) -> dict:  # fmt: skip
     """Compile forward._forward_kernel for sm_90a with the forward.Masks `masks` (None: none,
-    the path of full blocks) and report {"registers": what ptxas allocates a thread at
-    launch, "max_register": 1 + the highest register the SASS names (the consumers' need
-    under setmaxnreg), "setmaxnreg": the per-warpgroup budgets, "spills": bytes of spill
-    stores, "shared": bytes of shared memory, "wgmma": whether it uses Hopper's warpgroup
-    MMA, "overlapped_exps": see overlapped_exponentials, "warnings": ptxas's warnings (e.g.
-    wgmma serialised), "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
+    the path of full blocks), persistent or a program per tile, and report {"registers": what
+    ptxas allocates a thread at launch, "max_register": 1 + the highest register the SASS names
+    (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets, "spills":
+    bytes of spill stores, "shared": bytes of shared memory, "wgmma": whether it uses Hopper's
+    warpgroup MMA, "overlapped_exps": see overlapped_exponentials, "warnings": ptxas's warnings
+    (e.g. wgmma serialised), "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
     from flash_msa.ops.gluon import forward
 
     masks = forward.Masks() if masks is None else masks
@@ -92,9 +92,11 @@ def compile_forward(
         qk_scale="fp32", out=f"*{dtype}",
         document_first="*i32", document_last="*i32",
     )  # fmt: skip
-    constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, **masks.constexprs())
+    constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, PERSISTENT=persistent,
+                      **masks.constexprs())  # fmt: skip
     turns = "pingpong" if pingpong else "plain"
-    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{_mask_flags(masks)}"
+    programs = "_persistent" if persistent else ""
+    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{programs}{_mask_flags(masks)}"
     return _compile(forward._forward_kernel, types, constexprs, workdir, name)
 
 

@@ -1,9 +1,12 @@
 """Block-sparse attention forward for Hopper (sm_90) in Gluon, over the active blocks of a
 CSR layout, with FlashAttention-3's structure.
 
-One program owns a query tile of 128 rows of one (batch, head) and walks that tile's CSR
-row: only active kv blocks cost work (a dense layout is the all-active CSR). Three
-partitions of warps share the program (gl.warp_specialize):
+A tile is 128 query rows of one (batch, head); its CSR row lists its active kv blocks, the
+only ones that cost work (a dense layout is the all-active CSR). Tiles launch one (batch,
+head) after another, each over its query blocks heaviest first. A program runs one tile,
+or (persistent) one per SM runs tiles until none are left, its producer taking each next
+one from a counter and handing it to the consumers. Three partitions of warps share the
+program (gl.warp_specialize):
 
 - a producer warp (few registers) issues TMA loads: the two 64-row halves of the query tile
   once, then the K and V tiles of each active block into a NUM_STAGES-deep shared-memory
@@ -164,62 +167,74 @@ def _take(taken, schedule, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _producer(
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-    v_ready, v_empty, col_indices, tiles, num_tiles, schedule, next_tile,
-):  # fmt: skip
-    """One warp, over the tiles it hands its program: its first is the program's index, each
-    next one taken from the counter next_tile (int32, 0 at launch) plus the program count,
-    so programs that finish early take more tiles. For each, the tile's index to the
-    consumers (schedule, see _publish), the query halves once the consumers are done with
+def _load_tile(tile, count, loaded, loads):
+    """The producer's work for one tile: the query halves once the consumers are done with
     the previous tile's (so they load while that tile ends), then K and V of each active
     block of the row into the ring (a slot is refilled once both consumers released it; the
-    ring runs on across tiles). Past the last tile, num_tiles tells the consumers to stop."""
+    ring runs on across tiles). count: blocks loaded so far, the ring's position; loaded:
+    tiles with active blocks so far, the query halves' phase; returns both, updated."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, col_indices, tiles) = loads  # fmt: skip
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    count = 0  # blocks loaded so far, over the program's tiles: the ring's position
-    loaded = 0  # tiles with active blocks so far: the query halves' phase
-    taken = 0  # tile indices handed to the consumers so far
-    tile = gl.program_id(0)
-    while tile < num_tiles:
-        _publish(tile, taken, schedule)
-        taken += 1
-        # The next tile's index arrives while this one's loads are issued.
-        following = gl.atomic_add(next_tile, 1) + gl.num_programs(0)
-        start, end, q_row, q_col, kv_row, kv_col, _, _, _ = _tile(tile, tiles, 2 * HALF, HEAD_DIM)
-        if end > start:
-            for half in gl.static_range(2):
-                # A fresh barrier counts as having completed the phase before 0: the first
-                # waits pass at once.
-                mbarrier.wait(q_empty.index(half), (loaded & 1) ^ 1)
-                bar = q_ready.index(half)
-                mbarrier.expect(bar, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
-                )
-            loaded += 1
-            block = gl.load(col_indices + start)
-            for j in range(start, end):
-                stage = count % NUM_STAGES
-                phase = (count // NUM_STAGES) & 1
-                row = kv_row + block * KV_ROWS
-                # The next index loads while this step waits for its slots.
-                block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
-                mbarrier.wait(k_empty.index(stage), phase ^ 1)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
-                )
-                mbarrier.wait(v_empty.index(stage), phase ^ 1)
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
-                )
-                count += 1
-        tile = following
-    _publish(num_tiles, taken, schedule)
+    start, end, q_row, q_col, kv_row, kv_col, _, _, _ = _tile(tile, tiles, 2 * HALF, HEAD_DIM)
+    if end > start:
+        for half in gl.static_range(2):
+            # A fresh barrier counts as having completed the phase before 0: the first
+            # waits pass at once.
+            mbarrier.wait(q_empty.index(half), (loaded & 1) ^ 1)
+            bar = q_ready.index(half)
+            mbarrier.expect(bar, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
+            )
+        loaded += 1
+        block = gl.load(col_indices + start)
+        for j in range(start, end):
+            stage = count % NUM_STAGES
+            phase = (count // NUM_STAGES) & 1
+            row = kv_row + block * KV_ROWS
+            # The next index loads while this step waits for its slots.
+            block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
+            )
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
+            )
+            count += 1
+    return count, loaded
+
+
+@gluon.jit
+def _producer(loads, num_tiles, schedule, next_tile, PERSISTENT: gl.constexpr):
+    """One warp, over its program's tiles (see _load_tile): the one of the program's index,
+    and, PERSISTENT, each next one taken from the counter next_tile (int32, 0 at launch) plus
+    the program count, so programs that finish early take more tiles, each handed to the
+    consumers (schedule, see _publish); past the last, num_tiles tells them to stop. Else
+    (one program per tile) the program's tiles are p, p + P, ..."""
+    count = 0
+    loaded = 0
+    if PERSISTENT:
+        taken = 0  # tile indices handed to the consumers so far
+        tile = gl.program_id(0)
+        while tile < num_tiles:
+            _publish(tile, taken, schedule)
+            taken += 1
+            # The next tile's index arrives while this one's loads are issued.
+            following = gl.atomic_add(next_tile, 1) + gl.num_programs(0)
+            count, loaded = _load_tile(tile, count, loaded, loads)
+            tile = following
+        _publish(num_tiles, taken, schedule)
+    else:
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            count, loaded = _load_tile(tile, count, loaded, loads)
 
 
 @gluon.jit
@@ -468,12 +483,15 @@ def _attend(
 
 
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.constexpr):
-    """One warpgroup, over the tiles the producer hands it (schedule, see _take): rows HALF * 64
-    .. HALF * 64 + 63 of each query tile. Its output leaves through o_smem by TMA while the next
-    tile runs. bounds = (S_kv, window_left, window_right, document_first, document_last) with
-    the documents' bounds of batch element 0 (see _visible_keys); tail = (out, S_q, H_q * D):
-    out's pointer, for a half that ends past S_q."""
+def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+                 MASKS: gl.constexpr):  # fmt: skip
+    """A consumer's work for one tile: rows HALF * 64 .. HALF * 64 + 63 of the query tile,
+    its output leaving through o_smem by TMA while the next tile runs (count: blocks
+    consumed so far, the ring's position; loaded: tiles with active blocks so far, the query
+    half's phase; returns both, updated). bounds = (S_kv, window_left, window_right,
+    document_first, document_last) with the documents' bounds of batch element 0 (see
+    _visible_keys); tail = (out, S_q, H_q * D): out's pointer, for a half that ends past
+    S_q."""
     (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turns, lse, col_indices, tiles, num_tiles, schedule, qk_scale, bounds,
      tail) = shared  # fmt: skip
@@ -484,56 +502,71 @@ def _consumer(shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.cons
     s_rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(k_smem.type.shape[1], dtype))
     q = q_smem.index(HALF)  # [HALF_M, D]
     o = o_smem.index(HALF)  # [HALF_M, D]
-    mine = turns.index(HALF)
-    theirs = turns.index(1 - HALF)
     seq_len_kv, window_left, window_right, document_first, document_last = bounds
     rows = gl.arange(0, ROWS, layout=s_rows)
-    count = 0  # blocks consumed so far, over the program's tiles: the ring's position
-    loaded = 0  # tiles with active blocks so far: the query half's phase
-    tile = _take(0, schedule, CONSUMER_WARPS)
-    taken = 1
-    while tile < num_tiles:
-        start, end, _, _, _, _, _, query_first, batch = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
-        query_first = query_first + HALF * ROWS
-        visible = None
-        if MASKS.scores:
-            documents = batch * seq_len_kv
-            tile_bounds = (seq_len_kv, window_left, window_right, document_first + documents,
-                           document_last + documents)  # fmt: skip
-            visible = _visible_keys(query_first, tile_bounds, ROWS, s_rows, MASKS)
-        if end > start:
-            acc, log_sum = _attend(
-                q, q_ready.index(HALF), q_empty.index(HALF), k_smem, v_smem, k_ready, k_empty,
-                v_ready, v_empty, mine, theirs, col_indices + start, end - start, count,
-                loaded & 1, qk_scale, visible, PINGPONG, MASKS,
-            )  # fmt: skip
-            count += end - start
-            loaded += 1
-        else:
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            log_sum = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+    start, end, _, _, _, _, _, query_first, batch = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
+    query_first = query_first + HALF * ROWS
+    visible = None
+    if MASKS.scores:
+        documents = batch * seq_len_kv
+        tile_bounds = (seq_len_kv, window_left, window_right, document_first + documents,
+                       document_last + documents)  # fmt: skip
+        visible = _visible_keys(query_first, tile_bounds, ROWS, s_rows, MASKS)
+    if end > start:
+        acc, log_sum = _attend(
+            q, q_ready.index(HALF), q_empty.index(HALF), k_smem, v_smem, k_ready, k_empty,
+            v_ready, v_empty, turns.index(HALF), turns.index(1 - HALF), col_indices + start,
+            end - start, count, loaded & 1, qk_scale, visible, PINGPONG, MASKS,
+        )  # fmt: skip
+        count += end - start
+        loaded += 1
+    else:
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        log_sum = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
 
-        # The tile's coordinates again, rather than held in registers across its blocks.
-        _, _, q_row, q_col, _, _, lse_offset, _, _ = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
-        row_valid = None  # every row is before S_q
-        if MASKS.q_tail:
-            out, seq_len_q, row_stride = tail
-            row_valid = query_first + rows < seq_len_q  # [HALF_M]
-        gl.store(lse + lse_offset + HALF * ROWS + rows, log_sum, mask=row_valid)
-        tma.store_wait(0)  # the previous tile's output has left o
-        o.store(acc.to(dtype))
-        if MASKS.q_tail:
-            # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows,
-            # which a TMA store of the whole half would overwrite.
-            if query_first + ROWS > seq_len_q:
-                _store_rows(out, o, q_row + HALF * ROWS, seq_len_q - query_first, q_col,
-                            row_stride)  # fmt: skip
-            else:
-                _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
+    # The tile's coordinates again, rather than held in registers across its blocks.
+    _, _, q_row, q_col, _, _, lse_offset, _, _ = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
+    row_valid = None  # every row is before S_q
+    if MASKS.q_tail:
+        out, seq_len_q, row_stride = tail
+        row_valid = query_first + rows < seq_len_q  # [HALF_M]
+    gl.store(lse + lse_offset + HALF * ROWS + rows, log_sum, mask=row_valid)
+    tma.store_wait(0)  # the previous tile's output has left o
+    o.store(acc.to(dtype))
+    if MASKS.q_tail:
+        # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows,
+        # which a TMA store of the whole half would overwrite.
+        if query_first + ROWS > seq_len_q:
+            _store_rows(out, o, q_row + HALF * ROWS, seq_len_q - query_first, q_col,
+                        row_stride)  # fmt: skip
         else:
             _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
-        tile = _take(taken, schedule, CONSUMER_WARPS)
-        taken += 1
+    else:
+        _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
+    return count, loaded
+
+
+@gluon.jit
+def _consumer(
+    shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup over its program's tiles (see _attend_tile): PERSISTENT, those the
+    producer hands it (schedule, see _take) until it hands num_tiles; else p, p + P, ..."""
+    num_tiles = shared[15]
+    schedule = shared[16]
+    count = 0
+    loaded = 0
+    if PERSISTENT:
+        tile = _take(0, schedule, CONSUMER_WARPS)
+        taken = 1  # tile indices taken from the producer so far
+        while tile < num_tiles:
+            count, loaded = _attend_tile(tile, count, loaded, shared, HALF, PINGPONG, MASKS)
+            tile = _take(taken, schedule, CONSUMER_WARPS)
+            taken += 1
+    else:
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            count, loaded = _attend_tile(tile, count, loaded, shared, HALF, PINGPONG, MASKS)
     tma.store_wait(0)
 
 
@@ -547,14 +580,14 @@ def _forward_kernel(
     q_desc, k_desc, v_desc, o_desc, lse, row_order, next_tile, row_offsets, col_indices,
     seq_len_q, seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride,
     layout_head_divisor, qk_scale, out, document_first, document_last, window_left, window_right,
-    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
     KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
 ):  # fmt: skip
     """Grid (P,) over the ceil(S_q / 128) x B x H_q tiles in _tile's order (row_order: int32
-    [ceil(S_q / 128)], the query blocks heaviest first): program p runs tile p, then as long as
-    tiles are left the next one of the order (next_tile: an int32 counter, 0 at launch); P = the
-    tile count is one tile a program, fewer is persistent. q_desc / o_desc: 2-D views [B * S_q,
+    [ceil(S_q / 128)], the query blocks heaviest first): program p runs tile p, and
+    PERSISTENT (P below the tile count) as long as tiles are left the next one of the order
+    (next_tile: an int32 counter, 0 at launch). q_desc / o_desc: 2-D views [B * S_q,
     H_q * D] in blocks [64, D] (out: o_desc's tensor); k_desc / v_desc: [B * S_kv, H_kv * D] in
     blocks [128, D]. The layout row of (b, h) is b * layout_batch_stride + h //
     layout_head_divisor. qk_scale = softmax_scale * log2(e). The masks (see Masks): HAS_LEFT /
@@ -580,17 +613,21 @@ def _forward_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_ids = gl.allocate_shared_memory(
-        gl.int32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    )
-    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # the half's consumer warpgroup
         mbarrier.init(turns.index(i), count=1)
-        mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    schedule = (turns, turns, turns)  # stands in, never read, for a program per tile
+    if PERSISTENT:
+        tile_ids = gl.allocate_shared_memory(
+            gl.int32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(tile_ready.index(i), count=1)
+            mbarrier.init(tile_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        schedule = (tile_ids, tile_ready, tile_empty)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -605,16 +642,16 @@ def _forward_kernel(
     bounds = (seq_len_kv, window_left, window_right, document_first, document_last)
     tail = (out, seq_len_q, heads_q * HEAD_DIM)
     # A tuple bound to a name holds tensors only: the constexprs go to the partitions apart.
-    schedule = (tile_ids, tile_ready, tile_empty)
     shared = (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty,
               v_ready, v_empty, turns, lse, col_indices, tiles, num_tiles, schedule, qk_scale,
               bounds, tail)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, col_indices, tiles, num_tiles, schedule, next_tile)  # fmt: skip
+             v_ready, v_empty, col_indices, tiles)  # fmt: skip
     # The default partition (this kernel's 4 warps) is the first consumer.
     gl.warp_specialize(
-        [(_consumer, (shared, UPPER, PINGPONG, MASKS)),
-         (_consumer, (shared, LOWER, PINGPONG, MASKS)), (_producer, loads)],
+        [(_consumer, (shared, UPPER, PINGPONG, MASKS, PERSISTENT)),
+         (_consumer, (shared, LOWER, PINGPONG, MASKS, PERSISTENT)),
+         (_producer, (loads, num_tiles, schedule, next_tile, PERSISTENT))],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
@@ -865,10 +902,14 @@ def attention_forward(
         row_order = heavy_rows_first(row_offsets)
     tiles = padded_length(seq_len_q) // BLOCK_M * heads_q * batch
     grid = (tiles if programs is None else min(tiles, programs),)
+    # The counter persistent programs take their next tiles from (row_order stands in, never
+    # read, for a program per tile).
+    next_tile = row_order if programs is None else torch.zeros(1, dtype=torch.int32,
+                                                               device=q.device)  # fmt: skip
     _forward_kernel[grid](
         q_desc=_descriptor(q, HALF_M), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, HALF_M), lse=lse,
-        row_order=row_order, next_tile=torch.zeros(1, dtype=torch.int32, device=q.device),
+        row_order=row_order, next_tile=next_tile,
         row_offsets=row_offsets, col_indices=col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, batch=batch,
         group=heads_q // k.shape[2],
@@ -876,6 +917,7 @@ def attention_forward(
         layout_head_divisor=layout_head_divisor, qk_scale=softmax_scale * _env.LOG2_E, out=out,
         document_first=document_first, document_last=document_last,
         window_left=window_left, window_right=window_right, **masks.constexprs(),
-        NUM_STAGES=num_stages, PINGPONG=pingpong, num_warps=4, maxnreg=MAX_REGISTERS,
+        NUM_STAGES=num_stages, PINGPONG=pingpong, PERSISTENT=programs is not None,
+        num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
