@@ -493,8 +493,7 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
     _visible_keys); tail = (out, S_q, H_q * D): out's pointer, for a half that ends past
     S_q."""
     (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turns, lse, col_indices, tiles, num_tiles, schedule, qk_scale, bounds,
-     tail) = shared  # fmt: skip
+     v_empty, turns, lse, col_indices, tiles, qk_scale, bounds, tail) = shared  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
@@ -548,13 +547,11 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
 
 @gluon.jit
 def _consumer(
-    shared, HALF: gl.constexpr, PINGPONG: gl.constexpr, MASKS: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    shared, num_tiles, schedule, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+    MASKS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup over its program's tiles (see _attend_tile): PERSISTENT, those the
     producer hands it (schedule, see _take) until it hands num_tiles; else p, p + P, ..."""
-    num_tiles = shared[15]
-    schedule = shared[16]
     count = 0
     loaded = 0
     if PERSISTENT:
@@ -643,14 +640,14 @@ def _forward_kernel(
     tail = (out, seq_len_q, heads_q * HEAD_DIM)
     # A tuple bound to a name holds tensors only: the constexprs go to the partitions apart.
     shared = (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, turns, lse, col_indices, tiles, num_tiles, schedule, qk_scale,
-              bounds, tail)  # fmt: skip
+              v_ready, v_empty, turns, lse, col_indices, tiles, qk_scale, bounds,
+              tail)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, col_indices, tiles)  # fmt: skip
     # The default partition (this kernel's 4 warps) is the first consumer.
     gl.warp_specialize(
-        [(_consumer, (shared, UPPER, PINGPONG, MASKS, PERSISTENT)),
-         (_consumer, (shared, LOWER, PINGPONG, MASKS, PERSISTENT)),
+        [(_consumer, (shared, num_tiles, schedule, UPPER, PINGPONG, MASKS, PERSISTENT)),
+         (_consumer, (shared, num_tiles, schedule, LOWER, PINGPONG, MASKS, PERSISTENT)),
          (_producer, (loads, num_tiles, schedule, next_tile, PERSISTENT))],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
