@@ -1,29 +1,32 @@
 """The Gluon forward on one H200, unmasked and masked, against flash-msa's Triton forward.
 
 The unmasked path's go/no-go (dense non-causal attention at 16K must reach 600 TFLOP/s) and
-the masked path (dense causal at 16K and 32K, a causal window of 4096 + 128 sinks and 16
-random blocks a row at 128K), each beside flash-msa's Triton forward in the same run.
+the masked path (dense causal at 16K and 32K, a causal window of 4096 + 128 sinks, 16
+random blocks a row and 16 packed documents of 8K, causal within each, at 128K), each
+beside flash-msa's Triton forward in the same run.
 
     PYTHONPATH=$PWD python benchmarks/bench_gluon_forward.py [--out DIR] [--seq-len 16k]
-        [--cases causal-16k,causal-32k,window-128k,topk16-128k]
+        [--cases causal-16k,causal-32k,window-128k,topk16-128k,documents-16x8k]
 
 bf16, B=1, H=16, D=128, blocks of 128. The unmasked case (--seq-len) has every block active
 (the all-active CSR of patterns.from_dense_mask); the masked cases (--cases, '' for none) are
 causal=True over common.py's layouts (causal: the lower block triangle; window: sliding
-window 4096 + 128 global tokens; top-k: 16 blocks a row), where the diagonal and window-edge
-blocks are partial. The Gluon variants (2 stages, the launch order heaviest rows first): a
-program per tile or persistent (a program per SM), ping-pong on / off where unmasked. Each
-first passes a correctness check against float64 (error of out and lse at most 2x
-PyTorch's in bf16, outputs poisoned with NaN beforehand, persistent variants on 7 programs
-that walk several tiles each; unmasked: dense and a random block-sparse CSR with an empty row
-at S=1024; masked: causal at S=1000 and causal window + sinks at S=2048, B=2, H=4, both with
-ragged ends), then is timed (triton.testing.do_bench, median); beside them flash-msa's Triton
-forward on the same CSR and masks (autotuned) and SDPA cuDNN where the attention is dense.
-TFLOP/s: 4 S^2 D H dense, half that dense causal (as bench_attention and the anchors count
-it), 4 * 128^2 * D per active block and head for the window and top-k. Each Gluon variant
-runs in a child process under a time limit: one that fails to compile, errs, computes wrongly
-or hangs records why, and the others still run. One line per record on stdout;
-DIR/gluon_forward.json and gluon_forward.md (DIR defaults to benchmarks/results/<gpu>/).
+window 4096 + 128 global tokens; top-k: 16 blocks a row; documents: the causal blocks of
+each document, with its document ids), where the diagonal and window-edge blocks are
+partial. The Gluon variants (2 stages): a program per tile or persistent (a program per SM,
+tiles taken at run time), the query blocks heaviest first or ascending (masked cases),
+ping-pong on / off (unmasked). Each first passes a correctness check against float64
+(error of out and lse at most 2x PyTorch's in bf16, outputs poisoned with NaN beforehand,
+persistent variants on 7 programs that walk several tiles each; unmasked: dense and a random
+block-sparse CSR with an empty row at S=1024; masked: causal at S=1000, causal window +
+sinks at S=2048 and causal ragged documents at S=1500, B=2, H=4), then is timed
+(triton.testing.do_bench, median); beside them flash-msa's Triton forward on the same CSR and
+masks (autotuned) and SDPA cuDNN where the attention is dense. TFLOP/s: 4 S^2 D H dense,
+half that dense causal and per document (as bench_attention and the anchors count it), 4 *
+128^2 * D per active block and head for the window and top-k. Each Gluon variant runs in a
+child process under a time limit: one that fails to compile, errs, computes wrongly or hangs
+records why, and the others still run. One line per record on stdout; DIR/gluon_forward.json
+and gluon_forward.md (DIR defaults to benchmarks/results/<gpu>/).
 """
 
 from __future__ import annotations
@@ -57,15 +60,21 @@ from flash_msa import patterns
 HEADS = 16
 TARGET_TFLOPS = 600.0
 CHECK_SEQ_LEN = 1024
-# Variants: launch options of attention_forward (2 stages, ping-pong, one program per tile
-# by default); persistent: one program per SM instead.
-MASKED_VARIANTS = [dict(), dict(persistent=True)]
-UNMASKED_VARIANTS = [*MASKED_VARIANTS, dict(pingpong=False)]
-MASKED_CASES = {  # name: sequence length, layout (seq_len, device) -> BlockLayout; causal
-    "causal-16k": (16 * K, causal_layout),
-    "causal-32k": (32 * K, causal_layout),
-    "window-128k": (128 * K, window_layout),
-    "topk16-128k": (128 * K, topk_layout),
+# Variants: launch options of attention_forward (2 stages, ping-pong, one program per tile,
+# query blocks heaviest first by default); persistent: one program per SM instead;
+# ascending: the query blocks in ascending order instead.
+MASKED_VARIANTS = [dict(), dict(persistent=True), dict(ascending=True),
+                   dict(persistent=True, ascending=True)]  # fmt: skip
+UNMASKED_VARIANTS = [dict(), dict(persistent=True), dict(pingpong=False)]
+# name: sequence length, layout (seq_len, device) -> BlockLayout, document length (packed
+# documents of that many tokens, causal within each) or None; all causal
+MASKED_CASES = {
+    "causal-16k": (16 * K, causal_layout, None),
+    "causal-32k": (32 * K, causal_layout, None),
+    "window-128k": (128 * K, window_layout, None),
+    "topk16-128k": (128 * K, topk_layout, None),
+    "documents-16x8k": (128 * K, lambda seq_len, device: document_layout(seq_len, 8 * K, device),
+                        8 * K),
 }
 CHECK_PROGRAMS = 7  # persistent variants are checked with programs that walk several tiles
 VARIANT_TIMEOUT_S = 90  # compile, check and time one variant
@@ -77,16 +86,34 @@ SDPA = "sdpa_cudnn"
 
 def variant_name(variant: dict) -> str:
     programs = "persistent" if variant.get("persistent") else "a program per tile"
+    order = ", ascending" if variant.get("ascending") else ""
     turns = "" if variant.get("pingpong", True) else ", no pingpong"
-    return f"gluon {programs}{turns}"
+    return f"gluon {programs}{order}{turns}"
 
 
-def launch_options(variant: dict, device) -> dict:
-    """attention_forward's options for a variant: persistent is one program per SM."""
-    options = {key: value for key, value in variant.items() if key != "persistent"}
+def launch_options(variant: dict, layout, device) -> dict:
+    """attention_forward's options for a variant on a layout: persistent is one program per
+    SM, ascending the query blocks in order."""
+    options = {key: value for key, value in variant.items()
+               if key not in ("persistent", "ascending")}  # fmt: skip
     if variant.get("persistent"):
         options["programs"] = torch.cuda.get_device_properties(device).multi_processor_count
+    options["row_order"] = (
+        torch.arange(layout.num_q_blocks, dtype=torch.int32, device=device)
+        if variant.get("ascending") else layout.heavy_rows_first()
+    )  # fmt: skip
     return options
+
+
+def document_layout(seq_len: int, length: int, device):
+    """The causal blocks of documents of `length` tokens packed back to back."""
+    cu_seqlens = torch.arange(0, seq_len + 1, length, dtype=torch.int32, device=device)
+    return patterns.causal(seq_len, device=device) & patterns.documents(cu_seqlens)
+
+
+def packed_documents(seq_len: int, length: int, device) -> torch.Tensor:
+    """int32 [1, S]: the document ids of documents of `length` tokens back to back."""
+    return (torch.arange(seq_len, device=device) // length).int()[None]
 
 
 def dense_layout(seq_len: int, device):
@@ -106,10 +133,12 @@ def sparse_layout(seq_len: int, device, density: float = 0.4, seed: int = 5):
 
 
 def case_of(name: str, seq_len: int):
-    """(sequence length, layout builder, causal) of a case: "dense-<S>" or a masked one."""
+    """(sequence length, layout builder, causal, document length or None) of a case:
+    "dense-<S>" or a masked one."""
     if name in MASKED_CASES:
-        return (*MASKED_CASES[name], True)
-    return seq_len, dense_layout, False
+        length, build, documents = MASKED_CASES[name]
+        return length, build, True, documents
+    return seq_len, dense_layout, False, None
 
 
 def case_flops(name: str, seq_len: int, layout) -> float:
@@ -118,6 +147,9 @@ def case_flops(name: str, seq_len: int, layout) -> float:
         return dense
     if name.startswith("causal"):
         return dense / 2
+    documents = MASKED_CASES.get(name, (0, None, None))[2]
+    if documents is not None:  # causal within each document
+        return seq_len // documents * 4 * documents * documents * HEAD_DIM * HEADS / 2
     return layout.flops(HEAD_DIM) * HEADS
 
 
@@ -135,24 +167,30 @@ def poisoned():
 
 
 def check_inputs(masked: bool, device) -> dict:
-    """name -> (q, k, v, layout, causal) of the correctness checks of a path."""
+    """name -> (q, k, v, layout, causal, document ids or None) of the correctness checks of
+    a path."""
     from flash_msa.testing import random_qkv
 
     if not masked:
         tensors = random_tensors(CHECK_SEQ_LEN, dict(q=HEADS, k=HEADS, v=HEADS), device=device,
                                  requires_grad=(), seed=11)  # fmt: skip
         return {
-            "dense": (*tensors.values(), dense_layout(CHECK_SEQ_LEN, device), False),
-            "sparse": (*tensors.values(), sparse_layout(CHECK_SEQ_LEN, device), False),
+            "dense": (*tensors.values(), dense_layout(CHECK_SEQ_LEN, device), False, None),
+            "sparse": (*tensors.values(), sparse_layout(CHECK_SEQ_LEN, device), False, None),
         }
     windowed = patterns.sliding_window(2048, 512, device=device) | patterns.global_tokens(
         2048, 128, device=device
     )
+    lengths = torch.tensor([300, 1, 700, 499], device=device)  # ragged, one of a token
+    documents = torch.repeat_interleave(torch.arange(4, device=device), lengths).int()
     return {
         "causal": (*random_qkv(2, 1000, 4, HEAD_DIM, dtype=torch.bfloat16, device=device,
-                               seed=12), patterns.causal(1000, device=device), True),
+                               seed=12), patterns.causal(1000, device=device), True, None),
         "window": (*random_qkv(2, 2048, 4, HEAD_DIM, dtype=torch.bfloat16, device=device,
-                               seed=13), windowed, True),
+                               seed=13), windowed, True, None),
+        "documents": (*random_qkv(2, 1500, 4, HEAD_DIM, dtype=torch.bfloat16, device=device,
+                                  seed=14), patterns.causal(1500, device=device), True,
+                      documents[None].repeat(2, 1)),
     }  # fmt: skip
 
 
@@ -163,16 +201,18 @@ def check(forward, variant: dict, masked: bool, device) -> dict:
 
     scale = HEAD_DIM**-0.5
     report, passed = {}, True
-    for name, (q, k, v, layout, causal) in check_inputs(masked, device).items():
-        options = launch_options(variant, device)
+    for name, (q, k, v, layout, causal, documents) in check_inputs(masked, device).items():
+        options = launch_options(variant, layout, device)
         if variant.get("persistent"):
             options["programs"] = CHECK_PROGRAMS
         first, second = poisoned()
         with first, second:
             out, lse = forward(q, k, v, layout.row_offsets, layout.col_indices,
-                               softmax_scale=scale, causal=causal, **options)  # fmt: skip
+                               softmax_scale=scale, causal=causal, document_ids=documents,
+                               **options)  # fmt: skip
         torch.cuda.synchronize()
-        mask = layout_mask(layout, q.shape[0], q.shape[2], causal=causal)
+        mask = layout_mask(layout, q.shape[0], q.shape[2], causal=causal,
+                           document_ids=documents)  # fmt: skip
         exact = attention_reference(q.double(), k.double(), v.double(), mask, scale)
         same_dtype = attention_reference(q, k, v, mask, scale)
         for label, mine, theirs, truth in zip(("out", "lse"), (out, lse), same_dtype, exact,
@@ -204,7 +244,7 @@ def run_variant(variant: dict, name: str, seq_len: int) -> dict:
     from flash_msa.ops.gluon import attention_forward
 
     device = torch.device("cuda")
-    seq_len, build, causal = case_of(name, seq_len)
+    seq_len, build, causal, document_length = case_of(name, seq_len)
     record = dict(check=check(attention_forward, variant, causal, device))
     if not record["check"]["passed"]:
         record["error"] = "wrong results (see check)"
@@ -213,10 +253,12 @@ def run_variant(variant: dict, name: str, seq_len: int) -> dict:
                              requires_grad=())  # fmt: skip
     q, k, v = tensors.values()
     layout = build(seq_len, device)
-    options = launch_options(variant, device)
+    options = launch_options(variant, layout, device)
+    documents = None if document_length is None else packed_documents(seq_len, document_length,
+                                                                       device)  # fmt: skip
     record.update(timed(lambda: attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=HEAD_DIM**-0.5,
-        causal=causal, row_order=layout.heavy_rows_first(), **options,
+        causal=causal, document_ids=documents, **options,
     )))  # fmt: skip
     record["compiled"] = compiled_figures()
     return record
@@ -246,7 +288,7 @@ def time_peers(name: str, seq_len: int, device) -> list[dict]:
 
     from flash_msa.ops.triton import attention_forward as triton_forward
 
-    seq_len, build, causal = case_of(name, seq_len)
+    seq_len, build, causal, document_length = case_of(name, seq_len)
     tensors = random_tensors(seq_len, dict(q=HEADS, k=HEADS, v=HEADS), device=device,
                              requires_grad=())  # fmt: skip
     q, k, v = tensors.values()
@@ -258,9 +300,12 @@ def time_peers(name: str, seq_len: int, device) -> list[dict]:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return scaled_dot_product_attention(q_t, k_t, v_t, is_causal=causal, scale=scale)
 
+    documents = None if document_length is None else packed_documents(seq_len, document_length,
+                                                                       device)  # fmt: skip
     peers = {
         TRITON: lambda: triton_forward(
-            q, k, v, layout, causal=causal, window_size=(-1, -1), softmax_scale=scale
+            q, k, v, layout, causal=causal, window_size=(-1, -1), softmax_scale=scale,
+            document_ids=documents,
         ),
     }
     if name.startswith(("dense", "causal")):
@@ -349,7 +394,7 @@ def main() -> None:
     records = []
     for name, variants in ((dense, UNMASKED_VARIANTS),
                            *((name, MASKED_VARIANTS) for name in masked)):  # fmt: skip
-        case_len, build, causal = case_of(name, seq_len)
+        case_len, build, causal, _ = case_of(name, seq_len)
         flops = case_flops(name, case_len, build(case_len, device))
         case = dict(case=name, seq_len=case_len, batch=1, heads=HEADS, head_dim=HEAD_DIM,
                     dtype="bf16", causal=causal, flops=flops)  # fmt: skip
@@ -375,11 +420,12 @@ def main() -> None:
         f"Gluon forward, B=1, H={HEADS}, D={HEAD_DIM}, bf16, blocks of 128; {dense}: every "
         f"block active, non-causal; causal-*: the lower block triangle, causal; window-128k: "
         f"sliding window 4096 + 128 global tokens, causal; topk16-128k: 16 blocks a row, "
-        f"causal. Launch order: heaviest rows first. Medians of do_bench; TFLOP/s = 4 "
-        f"S^2 D H / time dense, half that dense causal, 4 * 128^2 * D * H per active block for "
-        f"the window and top-k. check: out and lse of the Gluon variant within 2x PyTorch's "
-        f"bf16 error against float64 (unmasked: dense and a random block-sparse CSR at "
-        f"S={CHECK_SEQ_LEN}; masked: causal at S=1000, causal window + sinks at S=2048). "
+        f"causal; documents-16x8k: 16 documents of 8K, causal within each. Medians of "
+        f"do_bench; TFLOP/s = 4 S^2 D H / time dense, half that dense causal and per "
+        f"document, 4 * 128^2 * D * H per active block for the window and top-k. check: out "
+        f"and lse of the Gluon variant within 2x PyTorch's bf16 error against float64 "
+        f"(unmasked: dense and a random block-sparse CSR at S={CHECK_SEQ_LEN}; masked: causal "
+        f"at S=1000, causal window + sinks at S=2048, ragged documents at S=1500). "
         + " ".join(f"{line}." for line in lines)
     )
     write_report(out_dir, "gluon_forward", records, meta=meta, title="Gluon forward",
