@@ -868,8 +868,9 @@ def attention_forward(
         pingpong: the two consumer warpgroups take turns to issue their matmuls.
         programs: None, one program per tile of 128 queries and one head (the GPU hands
             the tiles out in launch order as SMs free up); a number, that many persistent
-            programs (at most one per tile), each walking every programs-th tile, the next
-            tile's loads running under the last one's end.
+            programs (at most one per tile), each starting on the tile of its index and
+            taking the next one of the order from a counter, its loads running under the
+            last one's end.
 
     Returns:
         out like q (contiguous, q's dtype) and lse fp32 [B, H_q, S_q] (natural log; -inf
