@@ -40,6 +40,13 @@ def _descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
     return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
 
+def partition_spill_stores(sass: str) -> int:
+    """The spill stores (STL) after the first setmaxnreg (USETMAXREG): in the partitions'
+    own code rather than in the launch code before they take their register budgets."""
+    partitions = sass[sass.find("USETMAXREG"):] if "USETMAXREG" in sass else sass
+    return len(re.findall(r"\bSTL\b", partitions))
+
+
 def overlapped_exponentials(sass: str) -> int:
     """The most MUFU.EX2 that sit between a wgmma wait leaving one group in flight
     (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next full wait (..., 0x0): the exponentials
@@ -77,9 +84,10 @@ def compile_forward(
     the path of full blocks), persistent or a program per tile, and report {"registers": what
     ptxas allocates a thread at launch, "max_register": 1 + the highest register the SASS names
     (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets, "spills":
-    bytes of spill stores, "shared": bytes of shared memory, "wgmma": whether it uses Hopper's
-    warpgroup MMA, "overlapped_exps": see overlapped_exponentials, "warnings": ptxas's warnings
-    (e.g. wgmma serialised), "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
+    bytes of spill stores, "partition_spill_stores": see partition_spill_stores, "shared": bytes
+    of shared memory, "wgmma": whether it uses Hopper's warpgroup MMA, "overlapped_exps": see
+    overlapped_exponentials, "warnings": ptxas's warnings (e.g. wgmma serialised),
+    "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
     from flash_msa.ops.gluon import forward
 
     masks = forward.Masks() if masks is None else masks
@@ -156,6 +164,7 @@ def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> 
         max_register=max(registers) + 1 if registers else 0,
         setmaxnreg=sorted({int(n) for n in re.findall(SETMAXNREG, compiled.asm["ptx"])}),
         spills=assembled["spills"],
+        partition_spill_stores=partition_spill_stores(sass),
         shared=compiled.metadata.shared,
         wgmma="wgmma.mma_async" in compiled.asm["ptx"],
         overlapped_exps=overlapped_exponentials(sass),

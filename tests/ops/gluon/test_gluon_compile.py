@@ -124,9 +124,11 @@ def test_forward_compiles_for_hopper(reports):
         name = label(report)
         assert report["wgmma"], f"{name}: no warpgroup MMA"
         assert not report["warnings"], f"{name}: {report['warnings']}"  # wgmma serialised
-        # At most the one register ptxas stores before the partitions' setmaxnreg and loads
-        # after it (all five masks: docs/performance.md), never in the loops.
-        assert report["spills"] <= 4, f"{name}: {report['spills']} bytes of spills"
+        # None in the partitions' code; persistent with all five masks ptxas keeps one
+        # register across setmaxnreg, stored before it (docs/performance.md).
+        assert report["partition_spill_stores"] == 0, f"{name}: {report['spills']} bytes"
+        if not report["persistent"]:
+            assert report["spills"] == 0, f"{name}: {report['spills']} bytes of spills"
         assert report["max_register"] <= CONSUMER_REGISTERS, name
         assert CONSUMER_REGISTERS in report["setmaxnreg"], f"{name}: {report['setmaxnreg']}"
         assert report["shared"] <= HOPPER_SHARED_MEMORY, f"{name}: {report['shared']} bytes"
