@@ -8,25 +8,24 @@ of the layout (layout.transpose()), for every query head of its GQA group: only 
   block, its two 64-row halves of Q and dO into a NUM_STAGES-deep shared-memory ring
   (a "ready" and an "empty" mbarrier per slot, Q and dO apart);
 - two consumer warpgroups, each owning 64 of the 128 keys, run per query half
-  S^T = K Q^T and dP^T = V dO^T (async warpgroup MMAs, both issued before the softmax),
-  P^T = exp2(S^T * scale - lse), dS^T = P^T (dP^T - delta), then dV += P^T dO and
-  dK += dS^T Q, accumulating dK and dV [64, D] in fp32 registers for the program's life;
+  S = Q K^T and dP = dO V^T (async warpgroup MMAs, both issued before the softmax),
+  P = exp2(S * scale - lse), dS = P (dP - delta), then dV += P^T dO and dK += dS^T Q
+  with P and dS from shared memory, accumulating dK and dV [64, D] in fp32 registers for
+  the program's life (queries on the MMAs' M keep lse and delta at two registers a thread);
 - a dQ writer warp, which works only when dQ is computed here.
 
 dQ comes one of three ways (attention_backward's grad_q):
-- "triton": dK and dV only (four matmuls, P^T and dS^T as register operands); dQ comes from
-  the Triton dQ kernel, which walks the CSR rows (three more matmuls) and writes every
-  element once: deterministic;
-- "atomic": five matmuls. The consumers exchange their dS^T halves through shared memory
+- "triton": dK and dV only (four matmuls); dQ comes from the Triton dQ kernel, which walks
+  the CSR rows (three more matmuls) and writes every element once: deterministic;
+- "atomic": five matmuls. The consumers exchange their dS halves through shared memory
   and each computes half of dQ's columns over all 128 keys, dS K[:, half], into a shared
   fp32 tile that the writer adds to an fp32 dQ buffer with a TMA reduce-add: not bitwise
   reproducible (the order of the adds across programs varies);
 - "ordered": the same, with the writer adding into each query half in a fixed order of kv
   blocks (counters in global memory; see _dq_writer): bitwise reproducible.
 
-Element masks are the forward's (forward.Masks: key bounds per query row), applied to the
-transposed scores. Rows past S_q read lse +inf (P = 0); keys past S_kv are masked, and their
-dK / dV rows are not stored.
+Element masks are the forward's (forward.Masks: key bounds per query row). Rows past S_q
+read lse +inf (P = 0); keys past S_kv are masked, and their dK / dV rows are not stored.
 
 q_block = kv_block = 128, D in {64, 128}, fp16 or bf16.
 """
@@ -184,8 +183,8 @@ def _ptx(value, INSTRUCTIONS: gl.constexpr):
 
 @gluon.jit
 def _dq_writer(writes, MODE: gl.constexpr):
-    """One warp (with MODE.fused; else none of its work): each step, the consumers' two dQ
-    tiles [QUERY_ROWS, D / 2] fp32 added into dQ with TMA reduce-adds, then their slots
+    """One warp (with MODE.fused; else none of its work): each step, the consumers' dQ tiles
+    [QUERY_ROWS, D / 2] fp32 (one each) added into dQ with TMA reduce-adds, then their slots
     freed. MODE.ordered: the adds into a query half come in the order of its kv blocks, the
     highest first, so dQ is bitwise reproducible: an i32 counter per (batch, query head,
     query half) counts the kv blocks added so far, and the kv block of entry e of the column
@@ -204,7 +203,6 @@ def _dq_writer(writes, MODE: gl.constexpr):
             head, start, end = _column(walk, member)
             for half_block in range(2 * start, 2 * end):
                 query_first = _query_first(t_col_indices, half_block, ROWS)
-                buffer = step % 2
                 if MODE.ordered:
                     counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
                                + query_first // ROWS)  # fmt: skip
@@ -215,11 +213,10 @@ def _dq_writer(writes, MODE: gl.constexpr):
                     # Acquire: the earlier kv blocks' adds are seen, by the TMA unit too.
                     _ptx(turn, "fence.acq_rel.gpu; fence.proxy.async.global;")
                 for half in gl.static_range(2):
-                    slot = 2 * half + buffer
-                    mbarrier.wait(dq_full.index(slot), (step // 2) & 1)
+                    mbarrier.wait(dq_full.index(half), step & 1)
                     _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
                                               head * 2 * HALF_D + half * HALF_D],
-                                    dq_smem.index(slot))  # fmt: skip
+                                    dq_smem.index(half))  # fmt: skip
                 if MODE.ordered:
                     # Release once the adds are complete (not only read from shared memory).
                     _ptx(turn, "cp.async.bulk.wait_group 0; fence.proxy.async.global; "
@@ -229,7 +226,7 @@ def _dq_writer(writes, MODE: gl.constexpr):
                 else:
                     tma.store_wait(0)
                 for half in gl.static_range(2):
-                    mbarrier.arrive(dq_empty.index(2 * half + buffer))
+                    mbarrier.arrive(dq_empty.index(half))
                 step += 1
 
 
@@ -237,9 +234,9 @@ def _dq_writer(writes, MODE: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
     of those keys, and with MODE.fused their share of dQ."""
-    (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dk_desc,
-     dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk, heads_q,
-     qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
+    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
+     dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk,
+     heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -248,15 +245,13 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     KEYS: gl.constexpr = k_smem.type.shape[0] // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2  # dQ columns of one warpgroup
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(ROWS, dtype)  # [KEYS, QUERY_ROWS] accumulators
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)  # [64, D] accumulators
+    s_layout: gl.constexpr = _mma_layout(KEYS, dtype)  # [QUERY_ROWS, KEYS] accumulators
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)  # [KEYS, D] accumulators
     dq_layout: gl.constexpr = _mma_layout(HALF_D, dtype)  # [QUERY_ROWS, D / 2] accumulators
-    operand: gl.constexpr = gl.DotOperandLayout(
-        operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth
-    )
-    columns: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
+    p_mine = p_smem.index(HALF)  # [QUERY_ROWS, KEYS]
     # dQ's columns HALF * D / 2 .. of the tile's keys: K [2 * KEYS, D / 2] in two halves.
     k_upper = k_smem.slice(0, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
     k_lower = k_smem.slice(KEYS, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
@@ -274,66 +269,67 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
             query_first = _query_first(t_col_indices, half_block, ROWS)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
+            buffer = step % 2
             q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
             do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
             mbarrier.wait(q_ready.index(stage), phase)
-            s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
-            s = warpgroup_mma(k_mine, q_tile.permute((1, 0)), s, use_acc=False,
-                              is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
+            s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+            s = warpgroup_mma(q_tile, k_mine.permute((1, 0)), s, use_acc=False,
+                              is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
             mbarrier.wait(do_ready.index(stage), phase)
-            dp = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
-            dp = warpgroup_mma(v_mine, do_tile.permute((1, 0)), dp, use_acc=False,
-                               is_async=True)  # fmt: skip  # [KEYS, QUERY_ROWS]
-            # The query rows' vectors are loaded while the matmuls run, not held across
-            # them: along the columns of the transposed tiles they take 16 registers each.
+            dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+            dp = warpgroup_mma(do_tile, v_mine.permute((1, 0)), dp, use_acc=False,
+                               is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
             row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
-                                  True, columns)  # fmt: skip  # [QUERY_ROWS]
+                                  True, rows)  # fmt: skip  # [QUERY_ROWS]
+            row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
+                                    False, rows)  # fmt: skip  # [QUERY_ROWS]
             s = warpgroup_mma_wait(1, deps=(s,))
             if MASKS.scores:
-                visible = _visible_keys(query_first, bounds, ROWS, columns, MASKS)
+                visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS)
                 partial = _partial(key_first, visible, KEYS, MASKS)
-                s = _mask_scores(s, partial, key_first, visible, 0, MASKS)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 0))  # [KEYS, QUERY_ROWS]
-            dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand), do_tile, dv,
-                               is_async=True)  # fmt: skip
-            row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
-                                    False, columns)  # fmt: skip  # [QUERY_ROWS]
+                s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 1))  # [QUERY_ROWS, KEYS]
+            # P and dS reach their matmuls with the keys on M (dV = P^T dO, dK = dS^T Q)
+            # from shared memory: queries on M keep lse and delta at two registers a thread.
+            p_mine.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dv = warpgroup_mma(p_mine.permute((1, 0)), do_tile, dv, is_async=True)
             dp = warpgroup_mma_wait(1, deps=(dp,))
-            ds = p * (dp - gl.expand_dims(row_delta, 0))  # [KEYS, QUERY_ROWS]
+            ds = p * (dp - gl.expand_dims(row_delta, 1))  # [QUERY_ROWS, KEYS]
+            # Two buffers of dS, alternating by step: with MODE.fused both warpgroups read
+            # both halves, and a warpgroup rewrites one only after the other has passed the
+            # next step's barrier, so after its matmuls of this one have completed.
+            ds_mine = ds_smem.index(2 * buffer + HALF)  # [QUERY_ROWS, KEYS]
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
             if MODE.fused:
-                # Both warpgroups' dS^T halves go to shared memory (two buffers, alternating
-                # by step: a warpgroup rewrites one only after the other has passed the next
-                # step's barrier, so after its matmuls of this one have completed). Each
-                # warpgroup computes half of dQ's columns over all 128 keys, dS
+                # Each warpgroup computes half of dQ's columns over all 128 keys, dS
                 # [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2] (one fp32 tile per query half
                 # and kv tile is added), before dK, whose matmul hides dQ's way out.
-                buffer = step % 2
-                ds_mine = ds_smem.index(2 * buffer + HALF)  # [KEYS, QUERY_ROWS]
-                ds_mine.store(ds.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
                 mbarrier.arrive(ds_ready.index(buffer))
                 mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
                 dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
-                dq = warpgroup_mma(ds_smem.index(2 * buffer).permute((1, 0)), k_upper, dq,
-                                   use_acc=False, is_async=True)  # fmt: skip
-                dq = warpgroup_mma(ds_smem.index(2 * buffer + 1).permute((1, 0)), k_lower, dq,
+                dq = warpgroup_mma(ds_smem.index(2 * buffer), k_upper, dq, use_acc=False,
+                                   is_async=True)  # fmt: skip
+                dq = warpgroup_mma(ds_smem.index(2 * buffer + 1), k_lower, dq,
                                    is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
-                dk = warpgroup_mma(ds_mine, q_tile, dk, is_async=True)
+                dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
                 mbarrier.arrive(do_empty.index(stage))
-                # The writer has added this warpgroup's tile of the buffer from two steps back.
-                slot = 2 * HALF + buffer
-                mbarrier.wait(dq_empty.index(slot), ((step // 2) & 1) ^ 1)
-                dq_smem.index(slot).store(dq * softmax_scale)  # [QUERY_ROWS, D / 2] fp32
+                # The writer has added this warpgroup's tile of the step before.
+                dq_tile = dq_smem.index(HALF)  # [QUERY_ROWS, D / 2] fp32
+                mbarrier.wait(dq_empty.index(HALF), (step & 1) ^ 1)
+                dq_tile.store(dq * softmax_scale)
                 fence_async_shared()
                 gl.thread_barrier()
-                mbarrier.arrive(dq_full.index(slot))
+                mbarrier.arrive(dq_full.index(HALF))
                 dk = warpgroup_mma_wait(0, deps=(dk,))
                 mbarrier.arrive(q_empty.index(stage))
             else:
-                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand), q_tile, dk,
-                                   is_async=True)  # fmt: skip
+                dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(stage))
                 mbarrier.arrive(do_empty.index(stage))
@@ -398,27 +394,25 @@ def _backward_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], v_desc.layout)
+    # P of each warpgroup [warpgroup, 64 queries, 64 keys] (16 KB); dS of both
+    # [2 * buffer + warpgroup, 64 queries, 64 keys], two buffers (32 KB).
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KV_ROWS // 2], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, KV_ROWS // 2], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KV_ROWS // 2], p_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # [2 * warpgroup + buffer]: a dQ tile in shared memory, written / added
-    dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    # [warpgroup]: its dQ tile in shared memory, written / added
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if GRAD_Q:
-        # dS^T of both warpgroups [2 * buffer + warpgroup, 64 keys, 64 queries], two buffers
-        # (32 KB); a consumer's dQ tiles [64, D / 2] fp32 on their way out, two each (64 KB at
-        # D = 128).
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_ROWS // 2, ROWS],
-                                                                       dtype)  # fmt: skip
-        ds_smem = gl.allocate_shared_memory(dtype, [4, KV_ROWS // 2, ROWS], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, HEAD_DIM // 2],
+        # A consumer's dQ tile [64, D / 2] fp32 on its way out (32 KB for both at D = 128).
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM // 2],
                                             dq_desc.layout)  # fmt: skip
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer warpgroup
-        for i in gl.static_range(4):
             mbarrier.init(dq_full.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
     else:
-        ds_smem = ds_ready  # never read
-        dq_smem = ds_ready
+        dq_smem = ds_ready  # never read
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -439,9 +433,9 @@ def _backward_kernel(
     tail = (grad_k, grad_v, heads_q // group * HEAD_DIM)
     walk = (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q,
             seq_len_kv, stride_layout, layout_batch_stride, layout_head_divisor)  # fmt: skip
-    shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
-              dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta,
-              walk, heads_q, qk_scale, softmax_scale, bounds, tail)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full,
+              dq_empty, dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse,
+              delta, walk, heads_q, qk_scale, softmax_scale, bounds, tail)  # fmt: skip
     writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns)
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
@@ -524,7 +518,7 @@ def attention_backward(
             the Gluon kernel (five matmuls), added to an fp32 dQ in each query half's kv
             order (bitwise reproducible); "atomic", the same added in any order.
         num_stages: depth of the Q / dO shared-memory ring (2 for "ordered" and "atomic",
-            whose dS and dQ tiles take 96 KB of shared memory).
+            whose P, dS and dQ tiles take 80 KB of shared memory).
 
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
