@@ -5,8 +5,8 @@ heaviest first: full blocks take no mask work, blocks cut by the causal diagonal
 edge, a document boundary or a ragged end are masked in registers. The backward
 (backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
 dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode:
-dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. Calls
-with documents take the Triton backward, faster there. It takes causal, window_size,
+dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. It
+takes causal, window_size,
 documents and any sequence lengths; the registry passes what it refuses (dropout, per-token
 query masks, and what _check names) to the next backend.
 """
@@ -19,7 +19,6 @@ from flash_msa import _env
 from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import BLOCK_M, HEAD_DIMS, attention_forward, padded_length
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
-from flash_msa.ops.triton import attention_backward as triton_backward
 
 
 def _forward(
@@ -39,13 +38,9 @@ def _backward(
     deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
-    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward.
-    With documents the Triton backward: its dK/dV kernel was the faster there
-    (docs/performance.md)."""
+    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward."""
     options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                    document_ids=document_ids)  # fmt: skip
-    if document_ids is not None:
-        return triton_backward(grad_out, q, k, v, out, lse, layout, **options)
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, **options,
         grad_q="triton" if deterministic else "atomic",

@@ -95,8 +95,7 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_al
         q, k, v, layout, causal=case.causal, window_size=case.window_size,
         document_ids=documents, backend="gluon", return_lse=True,
     )  # fmt: skip
-    if grad_q != "op":  # called directly, so that documents reach the mode too (the op
-        # sends calls with documents to the Triton backward)
+    if grad_q != "op":  # the kernel's fused modes, called directly
         grads = backward.attention_backward(
             grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, layout,
             causal=case.causal, window_size=case.window_size, softmax_scale=case.head_dim**-0.5,
