@@ -41,6 +41,9 @@ CASES = {
     "bigbird-gqa-128": Case(1, 1024, 8, 2, 128, lambda s: patterns.bigbird(s, 256, 128, 2)),
     "per-head-mha-64": Case(2, 768, 4, 4, 64, lambda s: patterns.stack(
         [patterns.random_blocks(s, 2, seed=h, causal=False) for h in range(4)])),
+    # a block a row per query head: a kv block's column is empty for some heads of its group
+    "per-head-gqa-128": Case(1, 768, 8, 2, 128, lambda s: patterns.stack(
+        [patterns.random_blocks(s, 1, seed=h, causal=False) for h in range(8)])),
     # 1000 = 7 * 128 + 104: the causal diagonal and both ragged tails
     "causal-ragged-gqa-128": Case(2, 1000, 8, 2, 128, patterns.causal, causal=True),
     "window-sinks-causal-64": Case(1, 1536, 4, 4, 64, lambda s: patterns.sliding_window(s, 512)
@@ -75,12 +78,17 @@ def references(q, k, v, mask, grad_out, dtype) -> dict:
     return results
 
 
+# "op": the backend's backward; else the kernel's grad_q mode called directly, "+lookahead"
+# with each step's S issued by the step before
+MODES = ["op", "ordered", "atomic", "triton+lookahead", "ordered+lookahead", "atomic+lookahead"]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("grad_q", ["op", "ordered", "atomic"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_allocations):
+def test_gluon_backend_within_twice_torch_error(name, dtype, mode, poisoned_allocations):
     case = CASES[name]
     layout = case.layout(case.seq_len).to("cuda")
     q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, case.head_dim,
@@ -95,11 +103,12 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_al
         q, k, v, layout, causal=case.causal, window_size=case.window_size,
         document_ids=documents, backend="gluon", return_lse=True,
     )  # fmt: skip
-    if grad_q != "op":  # the kernel's fused modes, called directly
+    grad_q, _, lookahead = mode.partition("+")
+    if grad_q != "op":
         grads = backward.attention_backward(
             grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, layout,
             causal=case.causal, window_size=case.window_size, softmax_scale=case.head_dim**-0.5,
-            document_ids=documents, grad_q=grad_q,
+            document_ids=documents, grad_q=grad_q, lookahead=bool(lookahead),
         )  # fmt: skip
     else:
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -110,8 +119,8 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_al
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("grad_q", ["op", "ordered"])
-def test_deterministic_gradients_are_bitwise_equal(grad_q):
+@pytest.mark.parametrize("mode", ["op", "ordered", "ordered+lookahead"])
+def test_deterministic_gradients_are_bitwise_equal(mode):
     """Two backward passes of a causal GQA call give the same bits: the op's default mode,
     and dQ added in kv order (every query block of the causal layout gets adds from up to
     32 kv blocks, racing across the GPU)."""
@@ -122,12 +131,15 @@ def test_deterministic_gradients_are_bitwise_equal(grad_q):
     out, lse = block_sparse_attn_func(q, k, v, layout, causal=True, backend="gluon",
                                       return_lse=True)  # fmt: skip
 
+    grad_q, _, lookahead = mode.partition("+")
+
     def grads():
         if grad_q == "op":
             return torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
         return backward.attention_backward(
             grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, layout,
             causal=True, window_size=(-1, -1), softmax_scale=128**-0.5, grad_q=grad_q,
+            lookahead=bool(lookahead),
         )  # fmt: skip
 
     first = grads()
