@@ -490,6 +490,10 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     else:
         dk, dv = _walk(shared, dk, dv, HALF, MODE, MASKS)
 
+    if MODE.fused:
+        # The other warpgroup's dQ matmuls read these K rows too: wait until they are done.
+        mbarrier.arrive(ds_ready.index(2))
+        mbarrier.wait(ds_ready.index(2), 0)
     # This warpgroup's K and V rows are no longer read: they hold dK and dV on their way out.
     k_mine.store((dk * softmax_scale).to(dtype))
     v_mine.store(dv.to(dtype))
@@ -554,7 +558,8 @@ def _backward_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KV_ROWS // 2], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, KV_ROWS // 2], p_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KV_ROWS // 2], p_layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # [buffer]: both warpgroups' dS of a step stored; [2]: both warpgroups' matmuls done
+    ds_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     # [warpgroup]: its dQ tile in shared memory, written / added
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -562,8 +567,9 @@ def _backward_kernel(
         # A consumer's dQ tile [64, D / 2] fp32 on its way out (32 KB for both at D = 128).
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM // 2],
                                             dq_desc.layout)  # fmt: skip
-        for i in gl.static_range(2):
+        for i in gl.static_range(3):
             mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(2):
             mbarrier.init(dq_full.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
     else:
