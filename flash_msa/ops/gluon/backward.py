@@ -215,6 +215,11 @@ def _mode(fused, ordered, lookahead):
     return Mode(fused, ordered, lookahead)
 
 
+@gluon.constexpr_function
+def _ahead(mode):
+    return int(mode.lookahead)
+
+
 @gluon.jit
 def _ptx(value, INSTRUCTIONS: gl.constexpr):
     """Run the PTX INSTRUCTIONS in every thread, in order with the code around them; value:
@@ -347,12 +352,12 @@ def _step(shared, s, dp, dk, dv, step, last, query_first, row_lse, row_delta,
                            is_async=True)  # fmt: skip
         dq = warpgroup_mma(ds_smem.index(2 * buffer + 1), k_lower, dq,
                            is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
-        dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
-        if MODE.lookahead:
-            s = _next_scores(q_smem, q_ready, k_mine, step, last, s)
-            dv, dq = warpgroup_mma_wait(2, deps=(dv, dq))
-        else:
-            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+    dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
+    if MODE.lookahead:
+        s = _next_scores(q_smem, q_ready, k_mine, step, last, s)
+    AHEAD: gl.constexpr = _ahead(MODE)  # MMAs issued after dK that the waits leave in flight
+    if MODE.fused:
+        dv, dq = warpgroup_mma_wait(1 + AHEAD, deps=(dv, dq))
         mbarrier.arrive(do_empty.index(stage))
         # The writer has added this warpgroup's tile of the step before.
         dq_tile = dq_smem.index(HALF)  # [QUERY_ROWS, D / 2] fp32
@@ -361,18 +366,10 @@ def _step(shared, s, dp, dk, dv, step, last, query_first, row_lse, row_delta,
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(HALF))
-        if MODE.lookahead:
-            dk = warpgroup_mma_wait(1, deps=(dk,))
-        else:
-            dk = warpgroup_mma_wait(0, deps=(dk,))
+        dk = warpgroup_mma_wait(AHEAD, deps=(dk,))
         mbarrier.arrive(q_empty.index(stage))
     else:
-        dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
-        if MODE.lookahead:
-            s = _next_scores(q_smem, q_ready, k_mine, step, last, s)
-            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
-        else:
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        dv, dk = warpgroup_mma_wait(AHEAD, deps=(dv, dk))
         mbarrier.arrive(q_empty.index(stage))
         mbarrier.arrive(do_empty.index(stage))
     return s, dk, dv
