@@ -278,15 +278,36 @@ def _dq_writer(writes, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _next_scores(q_smem, q_ready, k_mine, step, last, s):
-    """Issue S [QUERY_ROWS, KEYS] of the step after `step` (async), of `step` itself at the
-    last step (its Q is still in the ring: discarded, but keeps the count of MMAs in flight
-    the same)."""
+def _scores(q_smem, q_ready, k_mine, step):
+    """Issue S = Q K^T [QUERY_ROWS, KEYS] of step `step` (async), once its Q is in."""
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
-    following = gl.where(last, step, step + 1)
-    mbarrier.wait(q_ready.index(following % NUM_STAGES), (following // NUM_STAGES) & 1)
-    return warpgroup_mma(q_smem.index(following % NUM_STAGES), k_mine.permute((1, 0)), s,
-                         use_acc=False, is_async=True)  # fmt: skip
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    KEYS: gl.constexpr = k_mine.type.shape[0]
+    stage = step % NUM_STAGES
+    mbarrier.wait(q_ready.index(stage), (step // NUM_STAGES) & 1)
+    s = gl.zeros([ROWS, KEYS], gl.float32, _mma_layout(KEYS, q_smem.dtype))
+    return warpgroup_mma(q_smem.index(stage), k_mine.permute((1, 0)), s, use_acc=False,
+                         is_async=True)  # fmt: skip
+
+
+@gluon.jit
+def _next_scores(q_smem, q_ready, k_mine, step, last):
+    """Issue S of the step after `step`, of `step` itself at the last step (its Q is still in
+    the ring: discarded, but keeps the count of MMAs in flight the same)."""
+    return _scores(q_smem, q_ready, k_mine, gl.where(last, step, step + 1))
+
+
+@gluon.jit
+def _output_scores(do_smem, do_ready, v_mine, step):
+    """Issue dP = dO V^T [QUERY_ROWS, KEYS] of step `step` (async), once its dO is in."""
+    NUM_STAGES: gl.constexpr = do_smem.type.shape[0]
+    ROWS: gl.constexpr = do_smem.type.shape[1]
+    KEYS: gl.constexpr = v_mine.type.shape[0]
+    stage = step % NUM_STAGES
+    mbarrier.wait(do_ready.index(stage), (step // NUM_STAGES) & 1)
+    dp = gl.zeros([ROWS, KEYS], gl.float32, _mma_layout(KEYS, do_smem.dtype))
+    return warpgroup_mma(do_smem.index(stage), v_mine.permute((1, 0)), dp, use_acc=False,
+                         is_async=True)  # fmt: skip
 
 
 @gluon.jit
@@ -354,7 +375,7 @@ def _step(shared, s, dp, dk, dv, step, last, query_first, row_lse, row_delta,
                            is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
     dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
     if MODE.lookahead:
-        s = _next_scores(q_smem, q_ready, k_mine, step, last, s)
+        s = _next_scores(q_smem, q_ready, k_mine, step, last)
     AHEAD: gl.constexpr = _ahead(MODE)  # MMAs issued after dK that the waits leave in flight
     if MODE.fused:
         dv, dq = warpgroup_mma_wait(1 + AHEAD, deps=(dv, dq))
@@ -376,7 +397,8 @@ def _step(shared, s, dp, dk, dv, step, last, query_first, row_lse, row_delta,
 
 
 @gluon.jit
-def _walk(shared, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):
+def _walk(shared, k_mine, v_mine, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr,
+          MASKS: gl.constexpr):  # fmt: skip
     """The steps of one warpgroup, column after column of the GQA group, each issuing its S
     and dP and loading its query rows' lse and delta while they run; returns dK, dV."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
@@ -385,28 +407,17 @@ def _walk(shared, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.cons
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
-    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[0] // 2
     s_layout: gl.constexpr = _mma_layout(KEYS, q_smem.dtype)  # [QUERY_ROWS, KEYS] accumulators
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
-    v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     step = 0
     for member in range(group):
         head, start, end = _column(walk, member)
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
         for half_block in range(2 * start, 2 * end):
             query_first = _query_first(t_col_indices, half_block, ROWS)
-            stage = step % NUM_STAGES
-            phase = (step // NUM_STAGES) & 1
-            mbarrier.wait(q_ready.index(stage), phase)
-            s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-            s = warpgroup_mma(q_smem.index(stage), k_mine.permute((1, 0)), s, use_acc=False,
-                              is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-            dp = warpgroup_mma(do_smem.index(stage), v_mine.permute((1, 0)), dp, use_acc=False,
-                               is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
+            s = _scores(q_smem, q_ready, k_mine, step)
+            dp = _output_scores(do_smem, do_ready, v_mine, step)
             row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
                                   True, rows)  # fmt: skip  # [QUERY_ROWS]
             row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
@@ -418,7 +429,8 @@ def _walk(shared, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.cons
 
 
 @gluon.jit
-def _walk_ahead(shared, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):
+def _walk_ahead(shared, k_mine, v_mine, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr,
+                MASKS: gl.constexpr):  # fmt: skip
     """The steps of one warpgroup as one sequence over the GQA group's columns, each step's
     S issued by the step before (_next_scores) and its query rows' position, lse and delta
     loaded a step ahead: the tensor cores compute the next S while a step's dQ tile leaves,
@@ -427,12 +439,9 @@ def _walk_ahead(shared, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: g
      dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk,
      heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
-    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[0] // 2
     s_layout: gl.constexpr = _mma_layout(KEYS, q_smem.dtype)  # [QUERY_ROWS, KEYS] accumulators
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
-    v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     steps = _step_count(walk)
     head, start, end = _column(walk, 0)
     member, half_block, end = _settle(walk, gl.to_tensor(0), 2 * start, end)
@@ -444,11 +453,7 @@ def _walk_ahead(shared, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: g
     s = warpgroup_mma(q_smem.index(0), k_mine.permute((1, 0)), s, use_acc=False,
                       is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
     for step in range(steps):
-        stage = step % NUM_STAGES
-        mbarrier.wait(do_ready.index(stage), (step // NUM_STAGES) & 1)
-        dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-        dp = warpgroup_mma(do_smem.index(stage), v_mine.permute((1, 0)), dp, use_acc=False,
-                           is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
+        dp = _output_scores(do_smem, do_ready, v_mine, step)
         last = step + 1 == steps
         if not last:
             member, half_block, end = _settle(walk, member, half_block + 1, end)
@@ -483,9 +488,9 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     if MODE.lookahead:
-        dk, dv = _walk_ahead(shared, dk, dv, HALF, MODE, MASKS)
+        dk, dv = _walk_ahead(shared, k_mine, v_mine, dk, dv, HALF, MODE, MASKS)
     else:
-        dk, dv = _walk(shared, dk, dv, HALF, MODE, MASKS)
+        dk, dv = _walk(shared, k_mine, v_mine, dk, dv, HALF, MODE, MASKS)
 
     if MODE.fused:
         # The other warpgroup's dQ matmuls read these K rows too: wait until they are done.
