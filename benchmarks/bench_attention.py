@@ -2,7 +2,8 @@
 
     python benchmarks/bench_attention.py [--cases causal-32k,window-1m] [--out DIR]
 
-bf16, batch 1, head dim 128, block 128, causal (common.CASES, common.VARLEN_CASES). Each
+bf16, batch 1, head dim 128, block 128 (msa-main-128k: query blocks of 64, MSA's main
+attention), causal (common.CASES, common.VARLEN_CASES). Each
 case builds one layout; flash-msa runs it through its gluon and its triton backend (one row
 each, and through gluon with deterministic=False; records carry `backend` and
 `deterministic`);
@@ -176,7 +177,9 @@ def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
     layout_ms, layout = wall_ms(lambda: build(seq_len, device), device, repeats=5)
     q, k, v, dout = inputs = random_inputs(seq_len, heads_q, heads_kv, device)
     dense_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q  # the anchors' count
-    sparse_flops = dense_flops if name.startswith("causal") else layout.flops(HEAD_DIM) * heads_q
+    # each of the layout heads serves heads_q / layout_heads query heads
+    per_layout = heads_q // layout.layout_heads
+    sparse_flops = dense_flops if name.startswith("causal") else layout.flops(HEAD_DIM) * per_layout
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex and SDPA take [B, H, S, D]
     flex, block_mask = compiled_flex(), flex_block_mask(layout, heads_q)
 

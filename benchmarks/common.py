@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from flash_msa import bench
+from flash_msa import bench, patterns
 from flash_msa.bench import (  # noqa: F401  (re-exported: the scripts import them from here)
     K,
     M,
@@ -42,6 +42,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # ---- cases ---------------------------------------------------------------------------
 
 
+def msa_layout(seq_len: int, device) -> BlockLayout:
+    """MSA's main attention, block-shared: per kv head (4 layout heads) and query block of
+    64, its own kv block of 128 and the 15 best earlier ones by random scores, causal."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (4, -(-seq_len // 64), -(-seq_len // 128))
+    scores = torch.rand(shape, device=device, generator=generator)
+    return patterns.topk(scores, 16, seq_len_q=seq_len, q_block=64, kv_block=128,
+                         fixed_counts=True)  # fmt: skip
+
+
 class Case(NamedTuple):
     seq_len: int
     heads_q: int
@@ -60,6 +70,8 @@ CASES = {
     "topk16-1m": Case(M, 16, 16, topk_layout, False),
     "topk16-gqa32x8-128k": Case(128 * K, 32, 8, topk_layout, False),
     "topk16-gqa64x4-128k": Case(128 * K, 64, 4, topk_layout, False),
+    # MSA's main attention: H_q 64, H_kv 4, a layout per kv head, q_block 64
+    "msa-main-128k": Case(128 * K, 64, 4, msa_layout, False),
 }
 
 # name -> document lengths (packed back to back, causal within each), H = 16
