@@ -6,9 +6,8 @@ edge, a document boundary or a ragged end are masked in registers. The backward
 (backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
 dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode:
 dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. It
-takes causal, window_size,
-documents and any sequence lengths; the registry passes what it refuses (dropout, per-token
-query masks, and what _check names) to the next backend.
+takes causal, window_size, documents and any sequence lengths; the registry passes what it
+refuses (dropout, per-token query masks, and what _check names) to the next backend.
 """
 
 import functools

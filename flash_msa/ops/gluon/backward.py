@@ -207,7 +207,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 class Mode(NamedTuple):
     fused: bool  # dQ in the kernel, beside dK and dV
     ordered: bool  # its adds in kv order (bitwise reproducible)
-    lookahead: bool  # each step issues the next step's S (see _consumer)
+    lookahead: bool  # each step issues the next step's S (_walk_ahead)
 
 
 @gluon.constexpr_function
