@@ -278,15 +278,16 @@ def _dq_writer(writes, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _scores(q_smem, q_ready, k_mine, step):
-    """Issue S = Q K^T [QUERY_ROWS, KEYS] of step `step` (async), once its Q is in."""
-    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
-    ROWS: gl.constexpr = q_smem.type.shape[1]
-    KEYS: gl.constexpr = k_mine.type.shape[0]
+def _scores(ring, ready, keys, step):
+    """Issue the ring's tile of step `step` times keys^T, [QUERY_ROWS, KEYS] (async), once the
+    tile is in: S = Q K^T from the Q ring and K rows, dP = dO V^T from the dO ring and V."""
+    NUM_STAGES: gl.constexpr = ring.type.shape[0]
+    ROWS: gl.constexpr = ring.type.shape[1]
+    KEYS: gl.constexpr = keys.type.shape[0]
     stage = step % NUM_STAGES
-    mbarrier.wait(q_ready.index(stage), (step // NUM_STAGES) & 1)
-    s = gl.zeros([ROWS, KEYS], gl.float32, _mma_layout(KEYS, q_smem.dtype))
-    return warpgroup_mma(q_smem.index(stage), k_mine.permute((1, 0)), s, use_acc=False,
+    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
+    acc = gl.zeros([ROWS, KEYS], gl.float32, _mma_layout(KEYS, ring.dtype))
+    return warpgroup_mma(ring.index(stage), keys.permute((1, 0)), acc, use_acc=False,
                          is_async=True)  # fmt: skip
 
 
@@ -295,19 +296,6 @@ def _next_scores(q_smem, q_ready, k_mine, step, last):
     """Issue S of the step after `step`, of `step` itself at the last step (its Q is still in
     the ring: discarded, but keeps the count of MMAs in flight the same)."""
     return _scores(q_smem, q_ready, k_mine, gl.where(last, step, step + 1))
-
-
-@gluon.jit
-def _output_scores(do_smem, do_ready, v_mine, step):
-    """Issue dP = dO V^T [QUERY_ROWS, KEYS] of step `step` (async), once its dO is in."""
-    NUM_STAGES: gl.constexpr = do_smem.type.shape[0]
-    ROWS: gl.constexpr = do_smem.type.shape[1]
-    KEYS: gl.constexpr = v_mine.type.shape[0]
-    stage = step % NUM_STAGES
-    mbarrier.wait(do_ready.index(stage), (step // NUM_STAGES) & 1)
-    dp = gl.zeros([ROWS, KEYS], gl.float32, _mma_layout(KEYS, do_smem.dtype))
-    return warpgroup_mma(do_smem.index(stage), v_mine.permute((1, 0)), dp, use_acc=False,
-                         is_async=True)  # fmt: skip
 
 
 @gluon.jit
@@ -417,7 +405,7 @@ def _walk(shared, k_mine, v_mine, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr
         for half_block in range(2 * start, 2 * end):
             query_first = _query_first(t_col_indices, half_block, ROWS)
             s = _scores(q_smem, q_ready, k_mine, step)
-            dp = _output_scores(do_smem, do_ready, v_mine, step)
+            dp = _scores(do_smem, do_ready, v_mine, step)
             row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
                                   True, rows)  # fmt: skip  # [QUERY_ROWS]
             row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
@@ -453,7 +441,7 @@ def _walk_ahead(shared, k_mine, v_mine, dk, dv, HALF: gl.constexpr, MODE: gl.con
     s = warpgroup_mma(q_smem.index(0), k_mine.permute((1, 0)), s, use_acc=False,
                       is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
     for step in range(steps):
-        dp = _output_scores(do_smem, do_ready, v_mine, step)
+        dp = _scores(do_smem, do_ready, v_mine, step)
         last = step + 1 == steps
         if not last:
             member, half_block, end = _settle(walk, member, half_block + 1, end)
