@@ -93,10 +93,11 @@ def _column(walk, member):
 
 
 @gluon.jit
-def _query_first(t_col_indices, half_block, ROWS: gl.constexpr):
+def _query_first(t_col_indices, half_block, ROWS: gl.constexpr, valid=True):
     """The first query position of step `half_block` of a column: half half_block % 2 of the
-    query block of entry half_block // 2."""
-    return gl.load(t_col_indices + half_block // 2) * (2 * ROWS) + (half_block % 2) * ROWS
+    query block of entry half_block // 2 (valid: whether the step exists, else entry 0)."""
+    entry = gl.load(t_col_indices + half_block // 2, mask=valid, other=0)
+    return entry * (2 * ROWS) + (half_block % 2) * ROWS
 
 
 @gluon.jit
@@ -131,8 +132,7 @@ def _step_rows(walk, member, half_block, heads_q, lse, delta, valid, ROWS: gl.co
     position is 0)."""
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
-    entry = gl.load(t_col_indices + half_block // 2, mask=valid, other=0)
-    query_first = entry * (2 * ROWS) + (half_block % 2) * ROWS
+    query_first = _query_first(t_col_indices, half_block, ROWS, valid)
     row_offset = (batch * heads_q + kv_head * group + member).to(gl.int64) * seq_len_q
     row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"), True,
                           layout)  # fmt: skip
