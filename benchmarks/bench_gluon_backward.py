@@ -11,8 +11,7 @@ forward's out and lse, it times (triton.testing.do_bench, median) the backward o
   deterministic mode; 3 stages measured the same as 2 at eb74836);
 - gluon ordered dQ / atomic dQ: one Gluon kernel, dQ beside dK and dV, added with TMA
   reduce-adds in each query half's kv order / in any order (grad_q="ordered" / "atomic";
-  the "atomic" mode is the backend's deterministic=False);
-- each of the three with lookahead=True: each consumer step issues the next step's S.
+  the "atomic" mode is the backend's deterministic=False).
 Each Gluon variant's gradients are compared with the Triton backward's (relative error).
 TFLOP/s: 2 * 128^3 per matmul per active block pair and head, over the matmuls of the part
 (a whole backward: the five of FlashAttention's count; dK/dV: four). DIR/gluon_backward.json
@@ -48,9 +47,6 @@ GLUON_VARIANTS = {
     "gluon": dict(grad_q="triton"),
     "gluon, ordered dQ": dict(grad_q="ordered"),
     "gluon, atomic dQ": dict(grad_q="atomic"),
-    "gluon, lookahead": dict(grad_q="triton", lookahead=True),
-    "gluon, ordered dQ, lookahead": dict(grad_q="ordered", lookahead=True),
-    "gluon, atomic dQ, lookahead": dict(grad_q="atomic", lookahead=True),
 }
 
 
@@ -136,8 +132,7 @@ def main() -> None:
             title="Gluon backward, part by part",
             notes="bf16, B=1, H=16, D=128, blocks of 128, causal; given one Gluon forward's "
             "out and lse; medians of do_bench. dK/dV: a backward's time less the Triton dQ "
-            "kernel's (which computes delta too); lookahead: each consumer step issues the "
-            "next step's S.",
+            "kernel's (which computes delta too).",
             body=body,
         )  # fmt: skip
 

@@ -93,51 +93,10 @@ def _column(walk, member):
 
 
 @gluon.jit
-def _query_first(t_col_indices, half_block, ROWS: gl.constexpr, valid=True):
+def _query_first(t_col_indices, half_block, ROWS: gl.constexpr):
     """The first query position of step `half_block` of a column: half half_block % 2 of the
-    query block of entry half_block // 2 (valid: whether the step exists, else entry 0)."""
-    entry = gl.load(t_col_indices + half_block // 2, mask=valid, other=0)
-    return entry * (2 * ROWS) + (half_block % 2) * ROWS
-
-
-@gluon.jit
-def _step_count(walk):
-    """The program's steps: two query halves per entry of its columns, over its GQA group."""
-    group = walk[5]
-    steps = 0
-    for member in range(group):
-        head, start, end = _column(walk, member)
-        steps += 2 * (end - start)
-    return steps
-
-
-@gluon.jit
-def _settle(walk, member, half_block, end):
-    """The step (member, half_block, end of member's column) at or after the given one: past
-    the end of a column, the first query half of the next member whose column has entries
-    (the last member's end when none has)."""
-    group = walk[5]
-    while (half_block == 2 * end) & (member + 1 < group):
-        member += 1
-        head, start, end = _column(walk, member)
-        half_block = 2 * start
-    return member, half_block, end
-
-
-@gluon.jit
-def _step_rows(walk, member, half_block, heads_q, lse, delta, valid, ROWS: gl.constexpr,
-               layout: gl.constexpr):  # fmt: skip
-    """Step (member, half_block)'s first query position and its rows' lse (log2 units, +inf
-    where P is 0) and delta [ROWS] in `layout`; valid: whether the step exists (else the
-    position is 0)."""
-    (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
-     stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
-    query_first = _query_first(t_col_indices, half_block, ROWS, valid)
-    row_offset = (batch * heads_q + kv_head * group + member).to(gl.int64) * seq_len_q
-    row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"), True,
-                          layout)  # fmt: skip
-    row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0, False, layout)
-    return query_first, row_lse, row_delta
+    query block of entry half_block // 2."""
+    return gl.load(t_col_indices + half_block // 2) * (2 * ROWS) + (half_block % 2) * ROWS
 
 
 @gluon.jit
@@ -204,20 +163,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     )
 
 
-class Mode(NamedTuple):
+class GradQMode(NamedTuple):
     fused: bool  # dQ in the kernel, beside dK and dV
     ordered: bool  # its adds in kv order (bitwise reproducible)
-    lookahead: bool  # each step issues the next step's S (_walk_ahead)
 
 
 @gluon.constexpr_function
-def _mode(fused, ordered, lookahead):
-    return Mode(fused, ordered, lookahead)
-
-
-@gluon.constexpr_function
-def _ahead(mode):
-    return int(mode.lookahead)
+def _grad_q_mode(fused, ordered):
+    return GradQMode(fused, ordered)
 
 
 @gluon.jit
@@ -278,183 +231,6 @@ def _dq_writer(writes, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _scores(ring, ready, keys, step):
-    """Issue the ring's tile of step `step` times keys^T, [QUERY_ROWS, KEYS] (async), once the
-    tile is in: S = Q K^T from the Q ring and K rows, dP = dO V^T from the dO ring and V."""
-    NUM_STAGES: gl.constexpr = ring.type.shape[0]
-    ROWS: gl.constexpr = ring.type.shape[1]
-    KEYS: gl.constexpr = keys.type.shape[0]
-    stage = step % NUM_STAGES
-    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
-    acc = gl.zeros([ROWS, KEYS], gl.float32, _mma_layout(KEYS, ring.dtype))
-    return warpgroup_mma(ring.index(stage), keys.permute((1, 0)), acc, use_acc=False,
-                         is_async=True)  # fmt: skip
-
-
-@gluon.jit
-def _next_scores(q_smem, q_ready, k_mine, step, last):
-    """Issue S of the step after `step`, of `step` itself at the last step (its Q is still in
-    the ring: discarded, but keeps the count of MMAs in flight the same)."""
-    return _scores(q_smem, q_ready, k_mine, gl.where(last, step, step + 1))
-
-
-@gluon.jit
-def _step(shared, s, dp, dk, dv, step, last, query_first, row_lse, row_delta,
-          HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):  # fmt: skip
-    """The rest of step `step` of one warpgroup once its S and dP [QUERY_ROWS, KEYS] are
-    issued: P, dS, dV and dK (and with MODE.fused its dQ tile); returns S (with
-    MODE.lookahead the next step's, in flight: see _next_scores), dK, dV. query_first,
-    row_lse, row_delta: the step's query rows (_step_rows); last: whether it is the
-    program's last step."""
-    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
-     dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk,
-     heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
-    kv_block = walk[4]
-    ROWS: gl.constexpr = q_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
-    KEYS: gl.constexpr = k_smem.type.shape[0] // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2  # dQ columns of one warpgroup
-    dtype: gl.constexpr = q_smem.dtype
-    dq_layout: gl.constexpr = _mma_layout(HALF_D, dtype)  # [QUERY_ROWS, D / 2] accumulators
-    rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(KEYS, dtype))
-    k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
-    p_mine = p_smem.index(HALF)  # [QUERY_ROWS, KEYS]
-    # dQ's columns HALF * D / 2 .. of the tile's keys: K [2 * KEYS, D / 2] in two halves.
-    k_upper = k_smem.slice(0, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
-    k_lower = k_smem.slice(KEYS, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
-    key_first = kv_block * (2 * KEYS) + HALF * KEYS
-    stage = step % NUM_STAGES
-    buffer = step % 2
-    q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
-    do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
-
-    s = warpgroup_mma_wait(1, deps=(s,))
-    if MASKS.scores:
-        visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS)
-        partial = _partial(key_first, visible, KEYS, MASKS)
-        s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 1))  # [QUERY_ROWS, KEYS]
-    # P and dS reach their matmuls with the keys on M (dV = P^T dO, dK = dS^T Q) from shared
-    # memory: queries on M keep lse and delta at two registers a thread.
-    p_mine.store(p.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    dv = warpgroup_mma(p_mine.permute((1, 0)), do_tile, dv, is_async=True)
-    dp = warpgroup_mma_wait(1, deps=(dp,))
-    ds = p * (dp - gl.expand_dims(row_delta, 1))  # [QUERY_ROWS, KEYS]
-    # Two buffers of dS, alternating by step: with MODE.fused both warpgroups read both
-    # halves, and a warpgroup rewrites one only after the other has passed the next step's
-    # barrier, so after its matmuls of this one have completed.
-    ds_mine = ds_smem.index(2 * buffer + HALF)  # [QUERY_ROWS, KEYS]
-    ds_mine.store(ds.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    if MODE.fused:
-        # Each warpgroup computes half of dQ's columns over all 128 keys, dS
-        # [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2] (one fp32 tile per query half and kv
-        # tile is added), before dK, whose matmul hides dQ's way out.
-        mbarrier.arrive(ds_ready.index(buffer))
-        mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
-        dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_smem.index(2 * buffer), k_upper, dq, use_acc=False,
-                           is_async=True)  # fmt: skip
-        dq = warpgroup_mma(ds_smem.index(2 * buffer + 1), k_lower, dq,
-                           is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
-    dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
-    if MODE.lookahead:
-        s = _next_scores(q_smem, q_ready, k_mine, step, last)
-    AHEAD: gl.constexpr = _ahead(MODE)  # MMAs issued after dK that the waits leave in flight
-    if MODE.fused:
-        dv, dq = warpgroup_mma_wait(1 + AHEAD, deps=(dv, dq))
-        mbarrier.arrive(do_empty.index(stage))
-        # The writer has added this warpgroup's tile of the step before.
-        dq_tile = dq_smem.index(HALF)  # [QUERY_ROWS, D / 2] fp32
-        mbarrier.wait(dq_empty.index(HALF), (step & 1) ^ 1)
-        dq_tile.store(dq * softmax_scale)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(HALF))
-        dk = warpgroup_mma_wait(AHEAD, deps=(dk,))
-        mbarrier.arrive(q_empty.index(stage))
-    else:
-        dv, dk = warpgroup_mma_wait(AHEAD, deps=(dv, dk))
-        mbarrier.arrive(q_empty.index(stage))
-        mbarrier.arrive(do_empty.index(stage))
-    return s, dk, dv
-
-
-@gluon.jit
-def _walk(shared, k_mine, v_mine, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr,
-          MASKS: gl.constexpr):  # fmt: skip
-    """The steps of one warpgroup, column after column of the GQA group, each issuing its S
-    and dP and loading its query rows' lse and delta while they run; returns dK, dV."""
-    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
-     dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk,
-     heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
-    (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
-     stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
-    ROWS: gl.constexpr = q_smem.type.shape[1]
-    KEYS: gl.constexpr = k_smem.type.shape[0] // 2
-    s_layout: gl.constexpr = _mma_layout(KEYS, q_smem.dtype)  # [QUERY_ROWS, KEYS] accumulators
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    step = 0
-    for member in range(group):
-        head, start, end = _column(walk, member)
-        row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
-        for half_block in range(2 * start, 2 * end):
-            query_first = _query_first(t_col_indices, half_block, ROWS)
-            s = _scores(q_smem, q_ready, k_mine, step)
-            dp = _scores(do_smem, do_ready, v_mine, step)
-            row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
-                                  True, rows)  # fmt: skip  # [QUERY_ROWS]
-            row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
-                                    False, rows)  # fmt: skip  # [QUERY_ROWS]
-            s, dk, dv = _step(shared, s, dp, dk, dv, step, False, query_first, row_lse,
-                              row_delta, HALF, MODE, MASKS)  # fmt: skip
-            step += 1
-    return dk, dv
-
-
-@gluon.jit
-def _walk_ahead(shared, k_mine, v_mine, dk, dv, HALF: gl.constexpr, MODE: gl.constexpr,
-                MASKS: gl.constexpr):  # fmt: skip
-    """The steps of one warpgroup as one sequence over the GQA group's columns, each step's
-    S issued by the step before (_next_scores) and its query rows' position, lse and delta
-    loaded a step ahead: the tensor cores compute the next S while a step's dQ tile leaves,
-    and a step's softmax can start as soon as it does. Returns dK, dV."""
-    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
-     dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk,
-     heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
-    ROWS: gl.constexpr = q_smem.type.shape[1]
-    KEYS: gl.constexpr = k_smem.type.shape[0] // 2
-    s_layout: gl.constexpr = _mma_layout(KEYS, q_smem.dtype)  # [QUERY_ROWS, KEYS] accumulators
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    steps = _step_count(walk)
-    head, start, end = _column(walk, 0)
-    member, half_block, end = _settle(walk, gl.to_tensor(0), 2 * start, end)
-    query_first, row_lse, row_delta = _step_rows(walk, member, half_block, heads_q, lse, delta,
-                                                 steps > 0, ROWS, rows)  # fmt: skip
-    if steps > 0:
-        mbarrier.wait(q_ready.index(0), 0)
-    s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem.index(0), k_mine.permute((1, 0)), s, use_acc=False,
-                      is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
-    for step in range(steps):
-        dp = _scores(do_smem, do_ready, v_mine, step)
-        last = step + 1 == steps
-        if not last:
-            member, half_block, end = _settle(walk, member, half_block + 1, end)
-        next_first, next_lse, next_delta = _step_rows(walk, member, half_block, heads_q, lse,
-                                                      delta, True, ROWS, rows)  # fmt: skip
-        s, dk, dv = _step(shared, s, dp, dk, dv, step, last, query_first, row_lse, row_delta,
-                          HALF, MODE, MASKS)  # fmt: skip
-        query_first, row_lse, row_delta = next_first, next_lse, next_delta
-    s = warpgroup_mma_wait(0, deps=(s,))
-    return dk, dv
-
-
-@gluon.jit
 def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
     of those keys, and with MODE.fused their share of dQ."""
@@ -463,22 +239,101 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
      heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
+    ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[0] // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2  # dQ columns of one warpgroup
     dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(KEYS, dtype)  # [QUERY_ROWS, KEYS] accumulators
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)  # [KEYS, D] accumulators
+    dq_layout: gl.constexpr = _mma_layout(HALF_D, dtype)  # [QUERY_ROWS, D / 2] accumulators
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
+    p_mine = p_smem.index(HALF)  # [QUERY_ROWS, KEYS]
+    # dQ's columns HALF * D / 2 .. of the tile's keys: K [2 * KEYS, D / 2] in two halves.
+    k_upper = k_smem.slice(0, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
+    k_lower = k_smem.slice(KEYS, KEYS).slice(HALF * HALF_D, HALF_D, dim=1)
     key_first = kv_block * (2 * KEYS) + HALF * KEYS
 
     mbarrier.wait(kv_ready.index(0), 0)
     mbarrier.wait(kv_ready.index(1), 0)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
-    if MODE.lookahead:
-        dk, dv = _walk_ahead(shared, k_mine, v_mine, dk, dv, HALF, MODE, MASKS)
-    else:
-        dk, dv = _walk(shared, k_mine, v_mine, dk, dv, HALF, MODE, MASKS)
+    step = 0
+    for member in range(group):
+        head, start, end = _column(walk, member)
+        row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
+        for half_block in range(2 * start, 2 * end):
+            query_first = _query_first(t_col_indices, half_block, ROWS)
+            stage = step % NUM_STAGES
+            phase = (step // NUM_STAGES) & 1
+            buffer = step % 2
+            q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
+            do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
+            mbarrier.wait(q_ready.index(stage), phase)
+            s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+            s = warpgroup_mma(q_tile, k_mine.permute((1, 0)), s, use_acc=False,
+                              is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+            dp = warpgroup_mma(do_tile, v_mine.permute((1, 0)), dp, use_acc=False,
+                               is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
+            row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
+                                  True, rows)  # fmt: skip  # [QUERY_ROWS]
+            row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
+                                    False, rows)  # fmt: skip  # [QUERY_ROWS]
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if MASKS.scores:
+                visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS)
+                partial = _partial(key_first, visible, KEYS, MASKS)
+                s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 1))  # [QUERY_ROWS, KEYS]
+            # P and dS reach their matmuls with the keys on M (dV = P^T dO, dK = dS^T Q)
+            # from shared memory: queries on M keep lse and delta at two registers a thread.
+            p_mine.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dv = warpgroup_mma(p_mine.permute((1, 0)), do_tile, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=(dp,))
+            ds = p * (dp - gl.expand_dims(row_delta, 1))  # [QUERY_ROWS, KEYS]
+            # Two buffers of dS, alternating by step: with MODE.fused both warpgroups read
+            # both halves, and a warpgroup rewrites one only after the other has passed the
+            # next step's barrier, so after its matmuls of this one have completed.
+            ds_mine = ds_smem.index(2 * buffer + HALF)  # [QUERY_ROWS, KEYS]
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            if MODE.fused:
+                # Each warpgroup computes half of dQ's columns over all 128 keys, dS
+                # [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2] (one fp32 tile per query half
+                # and kv tile is added), before dK, whose matmul hides dQ's way out.
+                mbarrier.arrive(ds_ready.index(buffer))
+                mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
+                dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
+                dq = warpgroup_mma(ds_smem.index(2 * buffer), k_upper, dq, use_acc=False,
+                                   is_async=True)  # fmt: skip
+                dq = warpgroup_mma(ds_smem.index(2 * buffer + 1), k_lower, dq,
+                                   is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
+                dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+                mbarrier.arrive(do_empty.index(stage))
+                # The writer has added this warpgroup's tile of the step before.
+                dq_tile = dq_smem.index(HALF)  # [QUERY_ROWS, D / 2] fp32
+                mbarrier.wait(dq_empty.index(HALF), (step & 1) ^ 1)
+                dq_tile.store(dq * softmax_scale)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(dq_full.index(HALF))
+                dk = warpgroup_mma_wait(0, deps=(dk,))
+                mbarrier.arrive(q_empty.index(stage))
+            else:
+                dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(q_empty.index(stage))
+                mbarrier.arrive(do_empty.index(stage))
+            step += 1
 
     if MODE.fused:
         # The other warpgroup's dQ matmuls read these K rows too: wait until they are done.
@@ -511,9 +366,9 @@ def _backward_kernel(
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
     document_last, window_left, window_right, counters, halves, turns,
     NUM_STAGES: gl.constexpr,
-    GRAD_Q: gl.constexpr, ORDERED: gl.constexpr, LOOKAHEAD: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
-    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
+    GRAD_Q: gl.constexpr, ORDERED: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr, KV_TAIL: gl.constexpr,
+    Q_TAIL: gl.constexpr,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
     ones are the heaviest; with MODE.ordered the last first). q_desc / do_desc:
@@ -532,7 +387,7 @@ def _backward_kernel(
     dtype: gl.constexpr = q_desc.dtype
     MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL)
     # A NamedTuple, not bools: those reach warp_specialize's partitions as run-time values.
-    MODE: gl.constexpr = _mode(GRAD_Q, ORDERED, LOOKAHEAD)
+    MODE: gl.constexpr = _grad_q_mode(GRAD_Q, ORDERED)
     kv_block = gl.program_id(0)
     if MODE.ordered:  # highest first: see _dq_writer
         kv_block = gl.num_programs(0) - 1 - kv_block
@@ -657,7 +512,6 @@ def attention_backward(
     document_ids: torch.Tensor | None = None,
     grad_q: str = "triton",
     num_stages: int = 2,
-    lookahead: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the Gluon forward on kernel-ready inputs (custom_op.py makes them so),
     q_block = kv_block = 128.
@@ -671,8 +525,6 @@ def attention_backward(
             order (bitwise reproducible); "atomic", the same added in any order.
         num_stages: depth of the Q / dO shared-memory ring (2 for "ordered" and "atomic",
             whose P, dS and dQ tiles take 80 KB of shared memory).
-        lookahead: each consumer step issues the next step's S behind its own dK, so that
-            it runs while the step's dQ tile leaves (backward._consumer).
 
     Returns:
         (dq, dk, dv) shaped like q, k, v in their dtypes, contiguous.
@@ -724,8 +576,7 @@ def attention_backward(
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
         counters=counters, halves=halves, turns=turns, NUM_STAGES=num_stages, GRAD_Q=fused,
-        ORDERED=grad_q == "ordered", LOOKAHEAD=lookahead, **masks.constexprs(), num_warps=4,
-        maxnreg=MAX_REGISTERS,
+        ORDERED=grad_q == "ordered", **masks.constexprs(), num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if fused:
         dq = accumulated.to(q.dtype)

@@ -110,7 +110,7 @@ def compile_forward(
 
 def compile_backward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    grad_q: str = "atomic", masks=None, lookahead: bool = False,
+    grad_q: str = "atomic", masks=None,
 ) -> dict:  # fmt: skip
     """Compile backward._backward_kernel for sm_90a (grad_q: its mode, as in
     backward.attention_backward) and report as compile_forward does."""
@@ -127,10 +127,8 @@ def compile_backward(
         document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q != "triton",
-                      ORDERED=grad_q == "ordered", LOOKAHEAD=lookahead,
-                      **masks.constexprs())  # fmt: skip
-    ahead = "_lookahead" if lookahead else ""
-    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{ahead}{_mask_flags(masks)}"
+                      ORDERED=grad_q == "ordered", **masks.constexprs())  # fmt: skip
+    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{_mask_flags(masks)}"
     return _compile(backward._backward_kernel, types, constexprs, workdir, name)
 
 

@@ -51,16 +51,15 @@ for head_dim, dtype, num_stages, pingpong, masks, persistent in json.loads(sys.a
     print(json.dumps(dict(report, head_dim=head_dim, dtype=dtype, num_stages=num_stages,
                           pingpong=pingpong, masks=masks, persistent=persistent)))
 """
-# The same for the backward: [[head_dim, dtype, num_stages, grad_q, {mask: True, ...},
-# lookahead], ...].
+# The same for the backward: [[head_dim, dtype, num_stages, grad_q, {mask: True, ...}], ...].
 BACKWARD_SCRIPT = """
 import json, sys
 from flash_msa.ops.gluon import codegen, forward
-for head_dim, dtype, num_stages, grad_q, masks, lookahead in json.loads(sys.argv[2]):
+for head_dim, dtype, num_stages, grad_q, masks in json.loads(sys.argv[2]):
     report = codegen.compile_backward(sys.argv[1], head_dim=head_dim, dtype=dtype,
                                       num_stages=num_stages, grad_q=grad_q,
-                                      masks=forward.Masks(**masks), lookahead=lookahead)
-    print(json.dumps(dict(report, grad_q=grad_q, masks=masks, lookahead=lookahead)))
+                                      masks=forward.Masks(**masks))
+    print(json.dumps(dict(report, grad_q=grad_q, masks=masks)))
 """
 
 
@@ -138,17 +137,15 @@ def test_forward_compiles_for_hopper(reports):
 
 
 def test_backward_compiles_for_hopper(tmp_path):
-    """The backward in each dQ mode (the Triton dQ kernel's with every mask), each step's S
-    issued by the step before or not, uses wgmma within the consumers' register budget and
-    Hopper's shared memory. Its spills are measured, not pinned (docs/performance.md)."""
-    variants = [[128, "bf16", 2, "atomic", {}, False], [64, "bf16", 2, "ordered", ALL_MASKS, False],
-                [128, "fp16", 3, "triton", ALL_MASKS, False], [128, "bf16", 2, "atomic", {}, True],
-                [128, "bf16", 2, "ordered", ALL_MASKS, True]]  # fmt: skip
+    """The backward in each dQ mode (the Triton dQ kernel's with every mask), uses wgmma
+    within the consumers' register budget and Hopper's shared memory. Its spills are
+    measured, not pinned (docs/performance.md)."""
+    variants = [[128, "bf16", 2, "atomic", {}], [64, "bf16", 2, "ordered", ALL_MASKS],
+                [128, "fp16", 3, "triton", ALL_MASKS]]  # fmt: skip
     reports = compile_variants(tmp_path, variants, BACKWARD_SCRIPT)
     assert len(reports) == len(variants)
     for report in reports:
-        name = (f"grad_q={report['grad_q']} {'+'.join(report['masks']) or 'no masks'}"
-                f"{' lookahead' if report['lookahead'] else ''}")
+        name = f"grad_q={report['grad_q']} {'+'.join(report['masks']) or 'no masks'}"
         assert report["wgmma"], f"{name}: no warpgroup MMA"
         assert not report["warnings"], f"{name}: {report['warnings']}"
         assert report["max_register"] <= CONSUMER_REGISTERS, name
