@@ -6,6 +6,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 BLOCK_SIZES = (16, 32, 64, 128)
 # A layout may also hold rows (or, transposed, columns) of one token: per-token selections.
@@ -31,11 +32,41 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+# tensor -> {key: (the tensor's version counter, value)}: see derived_from
+_DERIVED = WeakTensorKeyDictionary()
+
+
+def derived_from(tensor: torch.Tensor, key, compute):
+    """compute(), a value derived from `tensor` alone, cached per (tensor, key) for as long as
+    the tensor lives and is not changed in place (its version counter); computed afresh while
+    torch.compile traces and for tensors that track no version (inference mode). A layout
+    rebuilt from the same tensors on every call of the op so finds what an earlier call
+    derived, without device work or a sync."""
+    if torch.compiler.is_compiling():
+        return compute()
+    try:
+        version = tensor._version
+    except RuntimeError:  # inference tensors track no version
+        return compute()
+    entries = _DERIVED.get(tensor)
+    if entries is None:
+        entries = _DERIVED[tensor] = {}
+    cached = entries.get(key)
+    if cached is None or cached[0] != version:
+        cached = entries[key] = (version, compute())
+    return cached[1]
+
+
 def heavy_rows_first(row_offsets: torch.Tensor) -> torch.Tensor:
     """int32 [num_q_blocks]: the query blocks of CSR row pointers [L, num_q_blocks + 1] by
-    descending active blocks summed over the L layouts (ties keep their order)."""
-    work = (row_offsets[:, 1:] - row_offsets[:, :-1]).long().sum(0)
-    return torch.argsort(work, descending=True, stable=True).int()
+    descending active blocks summed over the L layouts (ties keep their order); cached per
+    row_offsets tensor (derived_from)."""
+
+    def compute():
+        work = (row_offsets[:, 1:] - row_offsets[:, :-1]).long().sum(0)
+        return torch.argsort(work, descending=True, stable=True).int()
+
+    return derived_from(row_offsets, "heavy_rows_first", compute)
 
 
 class BlockLayout:
@@ -88,7 +119,6 @@ class BlockLayout:
         self.layout_heads = layout_heads
         self._transposed: BlockLayout | None = None
         self._transpose_entries: torch.Tensor | None = None
-        self._heavy_rows_first: torch.Tensor | None = None
         self._versions = self._tensor_versions()
         if validate:
             self._validate()
@@ -215,11 +245,9 @@ class BlockLayout:
 
     def heavy_rows_first(self) -> torch.Tensor:
         """int32 [num_q_blocks]: the rows by descending work summed over the L layouts (ties
-        keep their order), cached. Kernels launch the longest rows first, so the grid ends
-        on short ones instead of waiting for a long last row."""
-        if self._heavy_rows_first is None:
-            self._heavy_rows_first = heavy_rows_first(self.row_offsets)
-        return self._heavy_rows_first
+        keep their order), cached with row_offsets. Kernels launch the longest rows first,
+        so the grid ends on short ones instead of waiting for a long last row."""
+        return heavy_rows_first(self.row_offsets)
 
     def entry_rows(self) -> torch.Tensor:
         """Flat row id (layout * num_q_blocks + row) of each entry, int64 [nnz]."""

@@ -6,6 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_msa import BlockLayout, patterns
+from flash_msa.layout import heavy_rows_first
+from flash_msa.ops.triton.common import tile_order
 
 
 def random_block_mask(shape, density=0.4, seed=0):
@@ -166,6 +168,23 @@ def test_heavy_rows_first_orders_rows_by_work():
     assert layout.heavy_rows_first().tolist() == [4, 3, 2, 1, 0]
     window = patterns.sliding_window(96, 16, block_size=16)  # rows 1.. have 2 blocks, row 0 one
     assert window.heavy_rows_first().tolist() == [1, 2, 3, 4, 5, 0]  # ties keep their order
+
+
+def test_heavy_rows_first_is_cached_with_row_offsets_until_they_change():
+    layout = patterns.causal(80, block_size=16)
+    order = layout.heavy_rows_first()
+    # a layout rebuilt from the same tensors (as the op does on every call) finds it
+    rebuilt = BlockLayout.from_op_arguments(**layout.op_arguments())
+    assert rebuilt.heavy_rows_first() is order
+    assert tile_order(rebuilt, 8) is tile_order(layout, 8)
+    assert tile_order(layout, 8).tolist() == [r * 2 + i for r in [4, 3, 2, 1, 0] for i in (0, 1)]
+    # an in-place change is seen: row 0 now holds the most blocks
+    layout.row_offsets[0, 1:] += 10
+    assert layout.heavy_rows_first().tolist() == [0, 4, 3, 2, 1]
+    assert tile_order(layout, 16).tolist() == [0, 4, 3, 2, 1]
+    with torch.inference_mode():  # no version counter: computed afresh
+        offsets = torch.tensor([[0, 1, 3]], dtype=torch.int32)
+        assert heavy_rows_first(offsets).tolist() == [1, 0]
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from flash_msa import _env
-from flash_msa.layout import BlockLayout, BlockPositions
+from flash_msa.layout import BlockLayout, BlockPositions, derived_from
 from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton import configs
 
@@ -359,10 +359,15 @@ def packing(layout: BlockLayout, max_rows: int, heads_q: int, heads_kv: int) -> 
 
 def tile_order(layout: BlockLayout, rows: int) -> torch.Tensor:
     """int32 [num_q_blocks * q_block // rows]: the query tiles of `rows` positions in the order
-    of layout.heavy_rows_first() (tiles past the sequence end only write nothing)."""
+    of layout.heavy_rows_first() (tiles past the sequence end only write nothing); cached
+    with the layout's row_offsets."""
     per_block = layout.q_block // rows
-    within = torch.arange(per_block, device=layout.device)
-    return (layout.heavy_rows_first()[:, None] * per_block + within).flatten().int()
+
+    def compute():
+        within = torch.arange(per_block, device=layout.device)
+        return (layout.heavy_rows_first()[:, None] * per_block + within).flatten().int()
+
+    return derived_from(layout.row_offsets, ("tile_order", per_block), compute)
 
 
 def use_tma(*tensors: torch.Tensor) -> bool:
