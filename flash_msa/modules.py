@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from flash_msa import distributed, patterns
+from flash_msa.distributed.plan import check_balance
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
 from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
@@ -73,6 +75,15 @@ class _ProjectedAttention(nn.Module):
                 f"x must be [batch, seq_len, embed_dim] with embed_dim = {self.embed_dim}, "
                 f"got shape {list(x.shape)}"
             )
+        weight = self.qkv_proj.weight
+        if x.device != weight.device or (
+            x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type)
+        ):
+            raise TypeError(
+                f"x is {x.dtype} on {x.device} but the layer's weights are {weight.dtype} on "
+                f"{weight.device}: pass x in the layer's dtype and device, move the layer with "
+                ".to(...), or run under torch.autocast"
+            )
         kv_heads = (self.num_kv_heads, self.head_dim)
         return _split_heads(self.qkv_proj(x), [(self.num_heads, self.head_dim), kv_heads, kv_heads])
 
@@ -123,6 +134,7 @@ class FlashSparseAttention(_ProjectedAttention):
         check_options(causal, window_size, None, 0.0, deterministic)
         if backend != "auto":
             registry.get(backend)
+        check_balance(cp_balance, "cp_balance")
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
         self.deterministic = deterministic
@@ -249,8 +261,8 @@ class MSAAttention(_ProjectedAttention):
             raise ValueError(
                 f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got {q_block}"
             )
-        if not rope_base > 1:
-            raise ValueError(f"rope_base must be > 1, got {rope_base!r}")
+        if type(rope_base) not in (int, float) or not math.isfinite(rope_base) or rope_base <= 1:
+            raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
         self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads
         self.proxy_head_dim, self.rope_base = proxy_head_dim, rope_base
         self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block

@@ -55,6 +55,7 @@ def test_layer_accepts_a_fixed_layout_and_caches_builders():
         ({"embed_dim": 32, "num_heads": 4, "causal": 1}, TypeError, "causal must be a bool"),
         ({"embed_dim": 32, "num_heads": 4, "backend": "cuda"}, ValueError, "backend must be"),
         ({"embed_dim": 32, "num_heads": 4, "block_size": 100}, ValueError, r"block_size must be"),
+        ({"embed_dim": 32, "num_heads": 4, "cp_balance": "even"}, ValueError, "cp_balance must"),
     ],
 )
 def test_layer_argument_errors(kwargs, error, match):
@@ -88,7 +89,8 @@ def _grad_norm(parameter: torch.Tensor) -> float:
         (dict(top_k=0), "top_k must be a positive int, got 0"),
         (dict(q_block=48), r"q_block must be one of \(16, 32, 64, 128\), got 48"),
         (dict(q_block=64, kv_block=32), "q_block 64 must be <= kv_block 32"),
-        (dict(rope_base=0.5), "rope_base must be > 1, got 0.5"),
+        (dict(rope_base=0.5), "rope_base must be a finite number > 1, got 0.5"),
+        (dict(rope_base="1e4"), "rope_base must be a finite number > 1, got '1e4'"),
         (dict(score_dtype=torch.int8), "score_dtype must be None .* got torch.int8"),
         (dict(score_dtype=torch.float8_e4m3fn, granularity="block"), "granularity 'token'"),
     ],
@@ -96,6 +98,18 @@ def _grad_norm(parameter: torch.Tensor) -> float:
 def test_msa_layer_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MSAAttention(**{"embed_dim": 32, "num_heads": 4, **TINY, **kwargs})
+
+
+@pytest.mark.parametrize("x", [torch.randn(1, 64, 32, dtype=torch.float64),
+                               torch.ones(1, 64, 32, dtype=torch.int64)])  # fmt: skip
+def test_layers_refuse_inputs_in_another_dtype_than_their_weights(x):
+    layers = [FlashSparseAttention(32, 2, block_size=16),
+              MSAAttention(32, 4, **TINY)]  # fmt: skip
+    for layer in layers:
+        with pytest.raises(TypeError, match=f"x is {x.dtype} on cpu but the layer's weights"):
+            layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts for the projections
+        assert layers[0](x.float().bfloat16()).shape == (1, 64, 32)
 
 
 def test_shapes_and_gradient_routing():

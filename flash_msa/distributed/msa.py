@@ -133,7 +133,7 @@ def msa_func_cp(
     """
     q_block = default_q_block(q_block, granularity)
     check_msa_inputs(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale,
-                     None, granularity, score_dtype)  # fmt: skip
+                     None, granularity, score_dtype, warmup)  # fmt: skip
     _check_plan(plan, q_block, kv_block)
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:

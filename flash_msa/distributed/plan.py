@@ -417,6 +417,14 @@ class CpPlan:
         )
 
 
+def check_balance(balance, name: str = "balance") -> None:
+    """A cp_plan balance: one of BALANCES (TypeError / ValueError naming the value)."""
+    if not isinstance(balance, str):
+        raise TypeError(f"{name} must be a str, one of {BALANCES}, got {balance!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"{name} must be one of {BALANCES}, got {balance!r}")
+
+
 def cp_plan(layout: BlockLayout, world_size: int, *, balance: str = "auto") -> CpPlan:
     """Shard one self-attention layout's query blocks (and the K/V of the same tokens)
     across world_size ranks; a static plan, the same on every rank, no communication.
@@ -466,10 +474,7 @@ def cp_plan(layout: BlockLayout, world_size: int, *, balance: str = "auto") -> C
     """
     _check_layout(layout)
     _check_world_size(world_size, layout)
-    if not isinstance(balance, str):
-        raise TypeError(f"balance must be a str, one of {BALANCES}, got {balance!r}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    check_balance(balance)
     builders = dict(contiguous=contiguous_owners, headtail=headtail_owners)
     names = list(builders) if balance == "auto" else [balance]
     plans = [

@@ -62,8 +62,11 @@ def check_msa_inputs(
     cu_seqlens,
     granularity="token",
     score_dtype=None,
+    warmup=False,
 ) -> None:
     """msa_func's checks of its tensors and options (TypeError / ValueError naming them)."""
+    if not isinstance(warmup, bool):
+        raise TypeError(f"warmup must be a bool, got {warmup!r}")
     rank = 3 if cu_seqlens is not None else 4
     shape = "[T, H, D]" if rank == 3 else "[B, S, H, D]"
     named = (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("q", q), ("k", k), ("v", v))
@@ -306,8 +309,10 @@ def msa_func(
     q_block = default_q_block(q_block, granularity)
     check_msa_inputs(
         q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens,
-        granularity, score_dtype,
+        granularity, score_dtype, warmup,
     )  # fmt: skip
+    if not isinstance(return_selection, bool):
+        raise TypeError(f"return_selection must be a bool, got {return_selection!r}")
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
         reason, error = refusal

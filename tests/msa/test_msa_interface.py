@@ -156,6 +156,13 @@ def test_msa_func_rejects_bad_tensors(change, error, match):
         msa_func(*change(tensors), top_k=2, q_block=16, kv_block=16)
 
 
+@pytest.mark.parametrize("option", ["warmup", "return_selection"])
+def test_msa_func_rejects_flags_that_are_not_bools(option):
+    tensors = [t.detach() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got 'yes'"):
+        msa_func(*tensors, top_k=2, q_block=16, kv_block=16, **{option: "yes"})
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter runs on the CPU")
 def test_msa_func_rejects_bfloat16_on_the_interpreter():
     tensors = [t.detach().bfloat16() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
