@@ -1,6 +1,8 @@
 """Train a Llama-architecture MSA language model at a million tokens per step on one GPU.
 
     python examples/train_million.py                       # H200: 8 layers, d 1024, 1M tokens
+    python examples/train_million.py --max-minutes 9 --checkpoint /root/million.pt
+                                    # the same in parts: run again to resume from the file
     TRITON_INTERPRET=1 python examples/train_million.py --device cpu --seq-len 512 \\
         --layers 2 --dim 64 --steps 2                      # the CPU, seconds: a check it runs
 
@@ -15,9 +17,9 @@ haystacks of repeated phrases with key -> value needles queried later, the loss 
 answers and the repeated phrase tokens (flash_msa.niah.train).
 
 Reports tokens per second (all steps, and past the first, which compiles and tunes the
-kernels), peak memory and the loss curve; writes them to --out (default
-benchmarks/results/<gpu>/, benchmarks/results/cpu/ on the CPU) as train_million.json and
-train_million.md, and prints them.
+kernels; a resumed run's first step tunes them again), peak memory and the loss curve;
+writes them to --out (default benchmarks/results/<gpu>/, benchmarks/results/cpu/ on the
+CPU) as train_million.json and train_million.md, and prints them.
 """
 
 from __future__ import annotations
@@ -117,6 +119,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--checkpoint", default=None,
+        help="checkpoint file kept after the run: a later run with the same arguments "
+        "resumes from it (default: a temporary file, removed at the end)",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     heads = args.heads or max(1, args.dim // 64)
@@ -139,16 +146,17 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
     workers = 2 if device.type == "cuda" else 0  # 1M-token batches are built ahead
     started = time.monotonic()
+    deadline = None if args.max_minutes is None else started + 60 * args.max_minutes
     with tempfile.TemporaryDirectory() as folder:
-        checkpoint = pathlib.Path(folder) / "checkpoint.pt"
-        # The first step compiles and tunes the kernels: one call for it (a deadline already
-        # passed stops after one step), then the rest resumes from its checkpoint.
-        first = train(model, needles, config, device=device, checkpoint_path=checkpoint,
-                      deadline=0.0, progress=False, data_workers=workers)  # fmt: skip
-        first_seconds, first_tokens = first.train_seconds, first.tokens
-        deadline = None
-        if args.max_minutes is not None:
-            deadline = started + 60 * args.max_minutes
+        checkpoint = pathlib.Path(args.checkpoint or pathlib.Path(folder) / "checkpoint.pt")
+        first_step = checkpoint.with_suffix(".first_step.json")  # its seconds and tokens
+        if not checkpoint.exists():
+            # The first step compiles and tunes the kernels: one call for it (a deadline
+            # already passed stops after one step), then the rest resumes from its checkpoint.
+            first = train(model, needles, config, device=device, checkpoint_path=checkpoint,
+                          deadline=0.0, progress=False, data_workers=workers)  # fmt: skip
+            first_step.write_text(json.dumps([first.train_seconds, first.tokens]))
+        first_seconds, first_tokens = json.loads(first_step.read_text())
         state = train(model, needles, config, device=device, checkpoint_path=checkpoint,
                       deadline=deadline, data_workers=workers)  # fmt: skip
     later_seconds = state.train_seconds - first_seconds
