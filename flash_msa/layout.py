@@ -57,6 +57,26 @@ def derived_from(tensor: torch.Tensor, key, compute):
     return cached[1]
 
 
+def _check_keys(keys, count: int) -> None:
+    """from_keys' keys: int64 [nnz], ascending, unique, in [0, count)."""
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64:
+        dtype = keys.dtype if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise TypeError(f"keys must be an int64 tensor, got {dtype}; convert with .long()")
+    if keys.dim() != 1:
+        raise ValueError(f"keys must be 1-D [nnz], got shape {list(keys.shape)}")
+    if keys.numel() == 0:
+        return
+    flags = [keys[0] < 0, keys[-1] >= count, (keys[1:] <= keys[:-1]).any()]
+    negative, too_large, unordered = torch.stack(flags).tolist()  # one read from the device
+    if unordered:
+        raise ValueError("keys must be ascending and unique (sort them with torch.unique)")
+    if negative or too_large:
+        raise ValueError(
+            f"keys must lie in [0, {count}) = [0, layouts * num_q_blocks * num_kv_blocks), got "
+            f"values from {int(keys[0])} to {int(keys[-1])}"
+        )
+
+
 def heavy_rows_first(row_offsets: torch.Tensor) -> torch.Tensor:
     """int32 [num_q_blocks]: the query blocks of CSR row pointers [L, num_q_blocks + 1] by
     descending active blocks summed over the L layouts (ties keep their order); cached per
@@ -266,9 +286,10 @@ class BlockLayout:
 
     def transpose(self) -> BlockLayout:
         """The CSC form, as a layout of kv-block rows listing the query blocks that use them."""
+        self.check_unchanged()
         if self._transposed is None:
             keys, self._transpose_entries = self._transposed_keys().sort()
-            transposed = BlockLayout.from_keys(keys, **self._transposed_meta())
+            transposed = BlockLayout.from_keys(keys, **self._transposed_meta(), validate=False)
             transposed._transposed = self
             self._transposed = transposed
         return self._transposed
@@ -353,11 +374,15 @@ class BlockLayout:
         kv_block: int,
         layout_batch: int = 1,
         layout_heads: int = 1,
+        validate: bool = True,
     ) -> BlockLayout:
-        """Build from ascending unique int64 keys (layout * nq + row) * nk + col (see keys())."""
+        """Build from ascending unique int64 keys (layout * nq + row) * nk + col (see keys());
+        validate: check the keys and the layout (builders that make the keys skip it)."""
         num_q_blocks = math.ceil(seq_len_q / q_block)
         num_kv_blocks = math.ceil(seq_len_kv / kv_block)
         num_layouts = layout_batch * layout_heads
+        if validate:
+            _check_keys(keys, num_layouts * num_q_blocks * num_kv_blocks)
         # Keys are sorted, so row r starts at the first key of a row >= r.
         boundaries = torch.arange(num_layouts * num_q_blocks + 1, device=keys.device)
         offsets = torch.searchsorted(keys // num_kv_blocks, boundaries)
@@ -372,7 +397,7 @@ class BlockLayout:
             kv_block=kv_block,
             layout_batch=layout_batch,
             layout_heads=layout_heads,
-            validate=False,
+            validate=validate,
         )
 
     def to_dense(self) -> torch.Tensor:
@@ -388,6 +413,7 @@ class BlockLayout:
         return dense.view(self.num_layouts, self.num_q_blocks, self.num_kv_blocks)
 
     def to(self, device: torch.device | str) -> BlockLayout:
+        self.check_unchanged()  # the copy skips validation: its source must still be valid
         return BlockLayout(
             self.row_offsets.to(device), self.col_indices.to(device), **self._meta(), validate=False
         )
@@ -406,6 +432,7 @@ class BlockLayout:
     # ---- set algebra ---------------------------------------------------------------
     def expand(self, layout_batch: int, layout_heads: int) -> BlockLayout:
         """Repeat a broadcast (size-1) batch or head dimension to the given sizes."""
+        self.check_unchanged()  # the result skips validation: its source must still be valid
         _check_positive_int("layout_batch", layout_batch)
         _check_positive_int("layout_heads", layout_heads)
         if (layout_batch, layout_heads) == (self.layout_batch, self.layout_heads):
@@ -444,6 +471,7 @@ class BlockLayout:
     def _aligned_keys(self, other: BlockLayout) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if not isinstance(other, BlockLayout):
             raise TypeError(f"expected a BlockLayout, got {type(other).__name__}")
+        other.check_unchanged()  # (expand checks self)
         for name in ("seq_len_q", "seq_len_kv", "q_block", "kv_block"):
             if getattr(self, name) != getattr(other, name):
                 raise ValueError(
@@ -470,14 +498,14 @@ class BlockLayout:
             torch.searchsorted(mine, theirs, right=True)
             + torch.arange(theirs.numel(), device=mine.device)
         ] = theirs
-        return BlockLayout.from_keys(torch.unique_consecutive(merged), **meta)
+        return BlockLayout.from_keys(torch.unique_consecutive(merged), **meta, validate=False)
 
     def __and__(self, other: BlockLayout) -> BlockLayout:
         mine, theirs, meta = self._aligned_keys(other)
         if theirs.numel() == 0:
-            return BlockLayout.from_keys(theirs, **meta)
+            return BlockLayout.from_keys(theirs, **meta, validate=False)
         place = torch.searchsorted(theirs, mine).clamp(max=theirs.numel() - 1)
-        return BlockLayout.from_keys(mine[theirs[place] == mine], **meta)
+        return BlockLayout.from_keys(mine[theirs[place] == mine], **meta, validate=False)
 
     # ---- pictures ------------------------------------------------------------------
     def show(self, max_blocks: int = 32, head: int = 0) -> str:

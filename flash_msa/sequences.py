@@ -70,8 +70,20 @@ def check_document_ids(document_ids: torch.Tensor, batch: int, seq_len: int, dev
         raise ValueError(
             f"document_ids is on {document_ids.device} but the tensors on {device}; move it"
         )
-    if seq_len > 1 and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
+    int32 = torch.iinfo(torch.int32)  # the kernels read the ids as int32
+    flags = [
+        (document_ids[:, 1:] < document_ids[:, :-1]).any(),
+        ((document_ids < int32.min) | (document_ids > int32.max)).any(),
+    ]
+    decreasing, out_of_range = torch.stack(flags).tolist()  # one read from the device
+    if decreasing:
         raise ValueError(
             "document_ids must be non-decreasing along the sequence (each document one "
             "contiguous run of tokens)"
+        )
+    if out_of_range:
+        raise ValueError(
+            f"document_ids must lie in int32's range [{int32.min}, {int32.max}] (the kernels "
+            "read them as int32, where larger ids would merge documents): number the "
+            "documents 0, 1, 2, ..."
         )

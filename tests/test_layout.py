@@ -221,6 +221,40 @@ def test_check_unchanged_refuses_tensors_edited_in_place(name):
         rebuilt.check_unchanged()
 
 
+@pytest.mark.parametrize(
+    "derive",
+    [lambda bad, good: bad.to("cpu"), lambda bad, good: bad | good, lambda bad, good: good & bad,
+     lambda bad, good: bad.expand(1, 2), lambda bad, good: patterns.stack([good, bad]),
+     lambda bad, good: bad.transpose()],
+)  # fmt: skip
+def test_layouts_derived_from_an_edited_one_are_refused(derive):
+    """Derived layouts skip validation, so their sources must not have changed since theirs."""
+    good = patterns.causal(256, block_size=64)
+    bad = BlockLayout(good.row_offsets.clone(), good.col_indices.clone(), seq_len_q=256,
+                      q_block=64)  # fmt: skip
+    bad.col_indices[0] = 99
+    with pytest.raises(ValueError, match="layout.col_indices was modified in place"):
+        derive(bad, good)
+
+
+@pytest.mark.parametrize(
+    "keys, error, match",
+    [
+        (torch.tensor([3, 1]), ValueError, "keys must be ascending and unique"),
+        (torch.tensor([1, 1]), ValueError, "keys must be ascending and unique"),
+        (torch.tensor([0, 16]), ValueError, r"keys must lie in \[0, 16\)"),
+        (torch.tensor([-1, 0]), ValueError, r"keys must lie in \[0, 16\)"),
+        (torch.tensor([0.0]), TypeError, "keys must be an int64 tensor, got torch.float32"),
+        (torch.tensor([[0]]), ValueError, r"keys must be 1-D \[nnz\]"),
+    ],
+)
+def test_from_keys_checks_its_keys(keys, error, match):
+    with pytest.raises(error, match=match):
+        BlockLayout.from_keys(keys, seq_len_q=64, seq_len_kv=64, q_block=16, kv_block=16)
+    assert BlockLayout.from_keys(torch.tensor([0, 5, 15]), seq_len_q=64, seq_len_kv=64,
+                                 q_block=16, kv_block=16).nnz == 3  # fmt: skip
+
+
 def test_check_unchanged_without_version_counters():
     with torch.inference_mode():  # inference tensors track no version: nothing to compare
         layout = patterns.causal(128, block_size=64)

@@ -10,6 +10,7 @@ import torch
 from flash_msa import _env, patterns
 from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.msa.block_scores import block_scores
+from flash_msa.msa.checks import check_tensors
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.token_selection import (
     FP8,
@@ -68,53 +69,8 @@ def check_msa_inputs(
     if not isinstance(warmup, bool):
         raise TypeError(f"warmup must be a bool, got {warmup!r}")
     rank = 3 if cu_seqlens is not None else 4
-    shape = "[T, H, D]" if rank == 3 else "[B, S, H, D]"
-    named = (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("q", q), ("k", k), ("v", v))
-    for name, tensor in named:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != rank:
-            raise ValueError(
-                f"{name} must be {rank}-D {shape}"
-                f"{' (packed by cu_seqlens)' if rank == 3 else ''}, got {list(tensor.shape)}"
-            )
-        if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(
-                f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}; "
-                "msa_reference computes in float64"
-            )
-    for name, tensor in named:
-        if (tensor.dtype, tensor.device) != (q.dtype, q.device):
-            raise ValueError(
-                f"{name} is {tensor.dtype} on {tensor.device} but q is {q.dtype} on {q.device}; "
-                "pass every tensor in one dtype on one device"
-            )
-        if tensor.shape[:-2] != q.shape[:-2]:
-            raise ValueError(
-                f"{name} {list(tensor.shape)} and q {list(q.shape)} must agree in "
-                f"{'T' if rank == 3 else 'B and S'}"
-            )
-    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"k {list(k.shape)} and v {list(v.shape)} must match, with q's head dim {q.shape[-1]}"
-        )
-    if k_proxy.shape[-1] != q_proxy.shape[-1]:
-        raise ValueError(
-            f"q_proxy and k_proxy head dims differ ({q_proxy.shape[-1]} vs {k_proxy.shape[-1]})"
-        )
-    heads_q, heads_kv = q.shape[-2], k.shape[-2]
-    heads_proxy, heads_proxy_keys = q_proxy.shape[-2], k_proxy.shape[-2]
-    if min(heads_q, heads_kv, heads_proxy, heads_proxy_keys, q.shape[-1], q_proxy.shape[-1]) < 1:
-        raise ValueError(
-            f"every head count and head dim must be at least 1, got q {list(q.shape)}, "
-            f"k {list(k.shape)}, q_proxy {list(q_proxy.shape)}, k_proxy {list(k_proxy.shape)}"
-        )
-    if heads_q % heads_proxy or heads_proxy % heads_kv or heads_proxy % heads_proxy_keys:
-        raise ValueError(
-            f"need H_q ({heads_q}) a multiple of H_p ({heads_proxy}), and H_p a multiple of "
-            f"H_kv ({heads_kv}) and of H_pk ({heads_proxy_keys}): each proxy head selects for "
-            "H_q / H_p query heads that share one kv head"
-        )
+    check_tensors(dict(q_proxy=q_proxy, q=q), dict(k_proxy=k_proxy, k=k, v=v), rank=rank)
+    heads_q, heads_proxy = q.shape[-2], q_proxy.shape[-2]
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if not isinstance(granularity, str) or granularity not in GRANULARITIES:

@@ -28,10 +28,12 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
-from flash_msa.ops.interface import check_query_masks
+from flash_msa.msa.checks import check_tensors
+from flash_msa.ops.interface import check_query_masks, check_softmax_scale
 from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton.common import query_mask_arguments, strides
 from flash_msa.patterns.topk import check_query_blocks
+from flash_msa.sequences import check_document_ids
 
 LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 
@@ -492,6 +494,47 @@ def _autograd_backward(ctx, grad_loss, _grad_lse_proxy, _grad_grad_q_proxy):
 _kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _check_kl_inputs(q_proxy, k_proxy, q, k, lse, layout, softmax_scale, proxy_softmax_scale,
+                     document_ids, q_blocks) -> None:  # fmt: skip
+    """proxy_kl_loss's tensors, layout and scales (TypeError / ValueError naming them)."""
+    check_tensors(dict(q_proxy=q_proxy, q=q), dict(k_proxy=k_proxy, k=k),
+                  same_length=q_blocks is None)  # fmt: skip
+    batch, seq_len_q, heads_q, _ = q.shape
+    seq_len, heads_proxy = k.shape[1], q_proxy.shape[2]
+    for name, scale in (("softmax_scale", softmax_scale),
+                        ("proxy_softmax_scale", proxy_softmax_scale)):  # fmt: skip
+        if scale is None:
+            raise ValueError(f"{name} must be a positive finite float (the attention's), got None")
+        check_softmax_scale(name, scale)
+    expected = (batch, heads_q, seq_len_q)
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
+        raise TypeError(
+            f"lse must be the main attention's fp32 lse [B, H_q, S_q] (return_lse=True), got "
+            f"{lse.dtype if isinstance(lse, torch.Tensor) else type(lse).__name__}"
+        )
+    if tuple(lse.shape) != expected or lse.device != q.device:
+        raise ValueError(
+            f"lse must be [B, H_q, S_q] = {list(expected)} on {q.device}, got "
+            f"{list(lse.shape)} on {lse.device}: the main attention's lse over these queries"
+        )
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if (layout.seq_len_q, layout.seq_len_kv) != (seq_len_q, seq_len):
+        raise ValueError(
+            f"layout must have seq_len_q = {seq_len_q} (q_proxy's rows) and seq_len_kv = "
+            f"{seq_len} (k_proxy's), got {layout.seq_len_q} and {layout.seq_len_kv}: pass the "
+            "layout the main attention ran over (with q_blocks, the rank's local layout)"
+        )
+    if heads_proxy % layout.layout_heads or layout.layout_batch not in (1, batch):
+        raise ValueError(
+            f"layout must have layout_heads dividing H_p = {heads_proxy} and layout_batch 1 or "
+            f"B = {batch}, got {layout.layout_heads} and {layout.layout_batch}"
+        )
+    layout.check_unchanged()
+    if document_ids is not None:
+        check_document_ids(document_ids, batch, seq_len, q.device)
+
+
 def proxy_kl_loss(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
@@ -509,9 +552,8 @@ def proxy_kl_loss(
 ) -> torch.Tensor:
     """The KL loss of the module docstring, differentiable in q_proxy and k_proxy only.
 
-    Inputs are assumed valid (msa_func checks them), but for q_blocks, query_masks and
-    reduction; this is the tensors' one boundary before the kernels (they are made contiguous
-    here).
+    Every input is checked (TypeError / ValueError); this is the tensors' one boundary before
+    the kernels (they are made contiguous here).
 
     Args:
         q_proxy: [B, S_q, H_p, D_p]; k_proxy: [B, S, H_pk, D_p]; S_q = S without q_blocks.
@@ -538,16 +580,12 @@ def proxy_kl_loss(
     Returns:
         kl_loss, an fp32 scalar.
     """
+    _check_kl_inputs(q_proxy, k_proxy, q, k, lse, layout, softmax_scale, proxy_softmax_scale,
+                     document_ids, q_blocks)  # fmt: skip
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if q_blocks is not None:
         lengths = (q_proxy.shape[1], k_proxy.shape[1])
-        if (layout.seq_len_q, layout.seq_len_kv) != lengths:
-            raise ValueError(
-                f"with q_blocks, layout must have seq_len_q = {lengths[0]} (q_proxy's rows) and "
-                f"seq_len_kv = {lengths[1]} (k_proxy's, the whole sequence), got "
-                f"{layout.seq_len_q} and {layout.seq_len_kv}: pass the rank's local layout"
-            )
         check_query_blocks(q_blocks, seq_len_q=lengths[0], seq_len=lengths[1],
                            q_block=layout.q_block, device=q_proxy.device)  # fmt: skip
         q_blocks = q_blocks.to(torch.int32).contiguous()

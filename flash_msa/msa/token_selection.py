@@ -559,6 +559,6 @@ def token_selection_layout(
     real = int(torch.searchsorted(unique_keys, padding))
     layout = BlockLayout.from_keys(
         unique_keys[:real], seq_len_q=seq_len, seq_len_kv=seq_len_kv, q_block=q_block,
-        kv_block=kv_block, layout_batch=batch, layout_heads=heads,
+        kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
     )  # fmt: skip
     return layout, query_masks[:real]

@@ -145,8 +145,9 @@ def _check_positions(positions, layout: BlockLayout, q: torch.Tensor) -> None:
     local_rows = layout.seq_len_q - torch.arange(layout.num_q_blocks, device=q.device) * q_block
     local_rows = local_rows.clamp(max=q_block)  # [num_q_blocks]: rows of q in each block
     ends = q_blocks * q_block + local_rows  # [num_q_blocks]: past each block's last position
-    q_low, q_high, kv_low, kv_high, end = torch.stack(
-        [q_blocks.min(), q_blocks.max(), kv_blocks.min(), kv_blocks.max(), ends.max()]
+    repeated = (kv_blocks.sort().values.diff() == 0).any()  # two slots holding one block
+    q_low, q_high, kv_low, kv_high, end, repeats = torch.stack(
+        [q_blocks.min(), q_blocks.max(), kv_blocks.min(), kv_blocks.max(), ends.max(), repeated]
     ).tolist()  # one read from the device
     for name, low, high, block in (
         ("q_blocks", q_low, q_high, q_block), ("kv_blocks", kv_low, kv_high, kv_block)
@@ -157,6 +158,11 @@ def _check_positions(positions, layout: BlockLayout, q: torch.Tensor) -> None:
                 f"positions.{name} must lie in [0, {count}) (the {block}-token blocks of "
                 f"seq_len={seq_len}), got values from {low} to {high}"
             )
+    if repeats:
+        raise ValueError(
+            "positions.kv_blocks must name each global kv block at most once (a block in two "
+            "slots would count its keys twice in the softmax)"
+        )
     if end > seq_len:
         local = int((ends > seq_len).nonzero()[0, 0])
         raise ValueError(

@@ -210,4 +210,5 @@ def rectangles(
         - (torch.cumsum(widths, 0) - widths)[entry]
     )
     num_kv_blocks = math.ceil(meta["seq_len_kv"] / meta["kv_block"])
-    return BlockLayout.from_keys(torch.unique(row[entry] * num_kv_blocks + col), **meta)
+    keys = torch.unique(row[entry] * num_kv_blocks + col)
+    return BlockLayout.from_keys(keys, **meta, validate=False)

@@ -32,4 +32,4 @@ def from_dense_mask(
     if block_mask.dtype != torch.bool:
         raise TypeError(f"block_mask must be bool, got {block_mask.dtype}; pass mask != 0")
     block_mask = block_mask.to(device) if device is not None else block_mask
-    return BlockLayout.from_keys(block_mask.flatten().nonzero().squeeze(1), **meta)
+    return BlockLayout.from_keys(block_mask.flatten().nonzero().squeeze(1), **meta, validate=False)

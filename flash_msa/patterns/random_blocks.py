@@ -66,4 +66,4 @@ def random_blocks(
         chosen[:, draw] = torch.where(draw < picks, pick, -1)
     chosen = chosen.sort(dim=1).values  # [nq, draws], -1 (unused) first
     keys = (rows[:, None] * num_kv_blocks + chosen)[chosen >= 0]
-    return BlockLayout.from_keys(keys, **meta)
+    return BlockLayout.from_keys(keys, **meta, validate=False)

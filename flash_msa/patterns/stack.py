@@ -17,6 +17,7 @@ def stack(layouts: Sequence[BlockLayout]) -> BlockLayout:
     for index, layout in enumerate(layouts):
         if not isinstance(layout, BlockLayout):
             raise TypeError(f"layouts[{index}] must be a BlockLayout, got {type(layout).__name__}")
+        layout.check_unchanged()  # the stack skips validation: its parts must still be valid
         if layout.num_layouts != 1:
             raise ValueError(
                 f"layouts[{index}] already has {layout.num_layouts} layout heads; "

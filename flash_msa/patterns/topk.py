@@ -196,7 +196,7 @@ def topk(
         chosen = chosen.sort(dim=-1).values  # the dropped blocks (nk) last
         flat_rows = torch.arange(num_layouts * num_q_blocks, device=scores.device)
         keys = flat_rows.view(num_layouts, num_q_blocks, 1) * num_kv_blocks + chosen
-        return BlockLayout.from_keys(keys[chosen < num_kv_blocks], **meta)
+        return BlockLayout.from_keys(keys[chosen < num_kv_blocks], **meta, validate=False)
 
     if causal:
         counts = (diagonal + 1).clamp(max=picks)  # [nq]

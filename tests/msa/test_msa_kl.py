@@ -219,10 +219,41 @@ def test_proxy_kl_loss_rejects_bad_options():
     with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
         proxy_kl_loss(*arguments, **scales, reduction="none")
     rows = {name: tensors[name][:, :40] for name in ("q_proxy", "q")}
-    with pytest.raises(ValueError, match="seq_len_q = 40 .* got 200 and 200: pass the rank's"):
+    with pytest.raises(ValueError, match="seq_len_q = 40 .* got 200 and 200: pass the layout"):
         proxy_kl_loss(rows["q_proxy"], tensors["k_proxy"], rows["q"], tensors["k"],
                       lse[:, :, :40], layout, **scales,
                       q_blocks=torch.tensor([0, 6], device=DEVICE))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: {**a, "q_proxy": a["q_proxy"][:, :100]}, ValueError,
+         r"q_proxy \[.*\] and q \[.*\] must agree in B and S"),
+        (lambda a: {**a, "q": a["q"][:, :, :3]}, ValueError, r"H_q \(3\) a multiple of H_p"),
+        (lambda a: {**a, "k": a["k"][:1]}, ValueError, "must agree in B and S"),
+        (lambda a: {**a, "lse": a["lse"][..., :-1]}, ValueError, r"lse must be \[B, H_q, S_q\]"),
+        (lambda a: {**a, "lse": a["lse"].half()}, TypeError, "lse must be the main attention"),
+        (lambda a: {**a, "softmax_scale": None}, ValueError, "softmax_scale must be a positive"),
+        (lambda a: {**a, "softmax_scale": -1.0}, ValueError, "softmax_scale must be a positive"),
+        (lambda a: {**a, "proxy_softmax_scale": float("nan")}, ValueError,
+         "proxy_softmax_scale must be a positive"),
+        (lambda a: {**a, "layout": patterns.causal(2 * SEQ_LEN, q_block=Q_BLOCK, kv_block=KV_BLOCK,
+                                                   device=DEVICE)},
+         ValueError, "layout must have seq_len_q"),
+        (lambda a: {**a, "layout": None}, TypeError, "layout must be a BlockLayout"),
+        (lambda a: {**a, "document_ids": torch.zeros(BATCH, SEQ_LEN, device=DEVICE)}, TypeError,
+         "document_ids must be int32 or int64"),
+    ],
+)
+def test_proxy_kl_loss_rejects_bad_inputs(change, error, match):
+    tensors = _inputs(seed=11)
+    layout = patterns.causal(SEQ_LEN, q_block=Q_BLOCK, kv_block=KV_BLOCK, device=DEVICE)
+    arguments = dict(q_proxy=tensors["q_proxy"], k_proxy=tensors["k_proxy"], q=tensors["q"],
+                     k=tensors["k"], lse=torch.zeros(BATCH, HEADS_Q, SEQ_LEN, device=DEVICE),
+                     layout=layout, softmax_scale=1.0, proxy_softmax_scale=1.0)  # fmt: skip
+    with pytest.raises(error, match=match):
+        proxy_kl_loss(**change(arguments))
 
 
 SM90_COMPILE = """

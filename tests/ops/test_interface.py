@@ -111,6 +111,8 @@ CASES = [
     ({}, {"backend": 3}, TypeError, "backend must be a str, got int"),
     ({}, {"dropout_p": 1.5}, ValueError, r"dropout_p must be a float in \[0, 1\), got 1.5"),
     ({}, {"backend": "cuda"}, ValueError, "backend must be 'auto' or one of .* got 'cuda'"),
+    ({}, {"document_ids": torch.tensor([[0] * 32 + [2**32] * 32] * 2)}, ValueError,
+     "document_ids must lie in int32's range"),
 ]
 
 

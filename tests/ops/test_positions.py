@@ -350,6 +350,8 @@ BAD_POSITIONS = [
     (lambda p: p._replace(kv_blocks=torch.cat([tensor(-1), p.kv_blocks[1:]])), ValueError,
      r"positions.kv_blocks must lie in \[0, 4\)"),
     (lambda p: p._replace(seq_len=90), ValueError, r"positions.q_blocks must lie in \[0, 6\)"),
+    (lambda p: p._replace(kv_blocks=torch.cat([p.kv_blocks[:1], p.kv_blocks[:-1]])), ValueError,
+     "positions.kv_blocks must name each global kv block at most once"),
     (lambda p: p._replace(q_blocks=tensor(6, 0)), ValueError,
      "local query block 0 \\(global block 6\\) holds 16 rows of q, reaching global position "
      "111 past seq_len=100"),
