@@ -121,6 +121,13 @@ def _register(name: str, attention_function) -> str:
             f"to load it from the Hub; register under a name without 'flash' (the default "
             f"{ATTENTION_NAME!r})"
         )
+    taken = AttentionInterface._global_mapping.get(name)
+    if name == "eager" or "|" in name or taken not in (None, attention_function):
+        raise ValueError(
+            f"name {name!r} is taken (transformers' own attention or another integration's): "
+            f"registering over it would change every model that asks for it; pick a new name "
+            f"(the default {ATTENTION_NAME!r})"
+        )
     AttentionInterface.register(name, attention_function)
     AttentionMaskInterface.register(name, document_mask)
     return name
@@ -306,6 +313,12 @@ def _packed_cu_seqlens(kwargs, batch: int, seq_len: int, document_ids):
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
         return None
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], torch.Tensor):
+            raise TypeError(
+                f"{name} must be an int tensor (as DataCollatorWithFlattening makes it), got "
+                f"{type(kwargs[name]).__name__}; pass torch.tensor(...)"
+            )
     other = kwargs.get("cu_seq_lens_k")
     if other is not None and not torch.equal(other.to(cu_seqlens.device), cu_seqlens):
         raise ValueError(

@@ -442,6 +442,8 @@ def _proxy_heads(module, hidden_states, position_ids, settings) -> tuple:
     projected = module.proxy_proj(hidden_states).view(batch, seq_len, heads, dim)
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=hidden_states.device)
+    if position_ids.is_floating_point() or position_ids.is_complex():
+        raise TypeError(f"position_ids must be integers, got {position_ids.dtype}; use .long()")
     positions = position_ids.expand(batch, seq_len).reshape(-1)
     first, last = (int(value) for value in torch.aminmax(positions))
     if first < 0:

@@ -78,6 +78,13 @@ def test_register_adds_attention_and_mask_functions(name):
     assert name in transformers.AttentionMaskInterface()
     with pytest.raises(ValueError, match="without 'flash'"):
         flash_msa_hf.register("flash_msa")
+    assert flash_msa_hf.register(name) == name  # again: the same function, nothing changes
+    from flash_msa.integrations import transformers_msa
+
+    flash_msa_hf._register(transformers_msa.ATTENTION_NAME, transformers_msa.attention_forward)
+    for taken in ("sdpa", "eager", "paged|sdpa", transformers_msa.ATTENTION_NAME):
+        with pytest.raises(ValueError, match=f"name {taken!r} is taken"):
+            flash_msa_hf.register(taken)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

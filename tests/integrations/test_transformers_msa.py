@@ -295,3 +295,12 @@ def test_unsupported_inputs_are_refused():
         logits(dropout, input_ids)
     with pytest.raises(ValueError, match="sliding window of 16 tokens over 32"):
         logits(converted("mistral", sliding_window=16), input_ids)
+
+
+def test_inputs_of_the_wrong_type_are_refused():
+    model = converted()
+    input_ids = tokens(1, 64)
+    with pytest.raises(TypeError, match="position_ids must be integers, got torch.float32"):
+        model(input_ids, position_ids=torch.arange(64.0)[None], use_cache=False)
+    with pytest.raises(TypeError, match="cu_seq_lens_q must be an int tensor"):
+        model(input_ids, cu_seq_lens_q=[0, 32, 64], use_cache=False)
