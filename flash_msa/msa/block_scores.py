@@ -21,6 +21,7 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import check_block_size
+from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import strides
 from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
@@ -220,31 +221,37 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, q_blocks, o
     if any(k_shape[axis] != q_shape[axis] for axis in matching):
         sizes = "B, S and D_p" if q_blocks is None else "B and D_p (it holds the whole sequence)"
         raise ValueError(f"k_proxy {list(k_shape)} must match q_proxy {list(q_shape)} in {sizes}")
+    if min(heads, k_shape[2], q_shape[3], seq_len_q, k_shape[1]) < 1:
+        raise ValueError(
+            f"q_proxy {list(q_shape)} and k_proxy {list(k_shape)} need at least one position, "
+            "head and head dim each"
+        )
     if heads % k_shape[2] != 0:
         raise ValueError(
             f"proxy heads H_p = {heads} must be a multiple of proxy key heads H_pk = {k_shape[2]}"
         )
     check_block_size("q_block", q_block)
     check_block_size("kv_block", kv_block)
-    if proxy_softmax_scale is not None and not proxy_softmax_scale > 0:
-        raise ValueError(
-            f"proxy_softmax_scale must be > 0 (a max is taken before scaling), "
-            f"got {proxy_softmax_scale!r}"
-        )
+    check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)  # > 0: a max comes first
     seq_len = k_shape[1]
     if q_blocks is not None:
         check_query_blocks(q_blocks, seq_len_q=seq_len_q, seq_len=seq_len, q_block=q_block,
                            device=q_proxy.device)  # fmt: skip
     shape = (batch, heads, math.ceil(seq_len_q / q_block), math.ceil(seq_len / kv_block))
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if out is not None and (
         tuple(out.shape) != shape
         or out.dtype != torch.float32
         or out.device != q_proxy.device
         or out.stride(-1) != 1
+        or any(step == 0 and size > 1
+               for step, size in zip(out.stride(), out.shape, strict=True))
     ):
         raise ValueError(
             f"out must be a float32 {list(shape)} tensor on {q_proxy.device} with unit last "
-            f"stride, got {out.dtype} {list(out.shape)} stride {out.stride()} on {out.device}"
+            f"stride and no expanded dimension, got {out.dtype} {list(out.shape)} stride "
+            f"{out.stride()} on {out.device}"
         )
     return shape
 

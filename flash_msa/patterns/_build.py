@@ -15,6 +15,14 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_flags(**flags) -> None:
+    """Each named option is a bool (TypeError naming it): a truthy string or None would
+    silently pick a pattern."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def layout_meta(
     seq_len_q: int,
     seq_len_kv: int | None,

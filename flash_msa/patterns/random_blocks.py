@@ -7,7 +7,7 @@ import math
 import torch
 
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import diagonals, is_int, layout_meta, query_blocks
+from flash_msa.patterns._build import check_flags, diagonals, is_int, layout_meta, query_blocks
 
 _MASK32 = 0xFFFFFFFF
 
@@ -47,8 +47,9 @@ def random_blocks(
     """
     if not is_int(blocks_per_row) or blocks_per_row < 0:
         raise ValueError(f"blocks_per_row must be a non-negative int, got {blocks_per_row!r}")
-    if not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_flags(causal=causal)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     rows = query_blocks(meta, device)  # [nq]
     num_kv_blocks = math.ceil(seq_len / meta["kv_block"])

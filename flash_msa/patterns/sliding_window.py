@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import band_rows, layout_meta, row_documents, tokens_to_blocks
+from flash_msa.patterns._build import (
+    band_rows,
+    check_flags,
+    layout_meta,
+    row_documents,
+    tokens_to_blocks,
+)
 
 
 def window_bounds(meta: dict, window: int, causal: bool, device, cu_seqlens=None):
@@ -45,6 +51,7 @@ def sliding_window(
     Returns:
         A single-head BlockLayout.
     """
+    check_flags(causal=causal)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     lower, upper = window_bounds(meta, window, causal, device, cu_seqlens)
     return band_rows(lower, upper, meta)

@@ -15,7 +15,14 @@ import math
 import torch
 
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import diagonal_total, diagonals, fixed_rows, grid_meta, is_int
+from flash_msa.patterns._build import (
+    check_flags,
+    diagonal_total,
+    diagonals,
+    fixed_rows,
+    grid_meta,
+    is_int,
+)
 
 CHUNK_ELEMENTS = 1 << 26  # scores ranked at a time: 512 MiB of int64 keys
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -153,6 +160,9 @@ def topk(
         )
     if not is_int(k) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
+    check_flags(include_diagonal=include_diagonal, causal=causal, fixed_counts=fixed_counts)
+    if not is_int(chunk_elements) or chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if q_blocks is not None:
         q_blocks = check_query_blocks(
             q_blocks, seq_len_q=meta["seq_len_q"], seq_len=meta["seq_len_kv"],

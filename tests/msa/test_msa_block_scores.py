@@ -109,6 +109,7 @@ def test_block_scores_reference_brute_force():
         (lambda q, k: (q[:, :, :3], k), ValueError, "multiple of proxy key heads"),
         (lambda q, k: (q, k[:, :50]), ValueError, "B, S and D_p"),
         (lambda q, k: (q.numpy(), k), TypeError, "ndarray"),
+        (lambda q, k: (q, k[:, :, :0]), ValueError, "at least one position, head and head dim"),
     ],
 )
 def test_block_scores_rejects_bad_tensors(change, error, match):
@@ -121,10 +122,16 @@ def test_block_scores_rejects_bad_arguments():
     q_proxy, k_proxy = _inputs(64, 4, 2, 16)
     with pytest.raises(ValueError, match="q_block must be one of"):
         block_scores(q_proxy, k_proxy, q_block=48, kv_block=32)
-    with pytest.raises(ValueError, match="proxy_softmax_scale must be > 0"):
-        block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, proxy_softmax_scale=-1.0)
+    for scale in (-1.0, float("inf"), True, "a"):
+        with pytest.raises(ValueError, match="proxy_softmax_scale must be"):
+            block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, proxy_softmax_scale=scale)
     with pytest.raises(ValueError, match=r"out must be a float32 \[2, 4, 2, 2\]"):
         block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, out=torch.empty(2, 4, 2, 3))
+    expanded = torch.empty(2, 1, 2, 2).expand(2, 4, 2, 2)  # the heads would overwrite each other
+    with pytest.raises(ValueError, match="no expanded dimension"):
+        block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, out=expanded)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor or None, got list"):
+        block_scores(q_proxy, k_proxy, q_block=32, kv_block=32, out=[0])
 
 
 # ---- a rank's query blocks (context parallelism) -----------------------------------------
