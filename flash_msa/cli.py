@@ -525,8 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = builders.add_parser(name, help=description, description=description + ".")
         _add_builder_options(sub, builder)
         sub.add_argument(
-            "--out", default=None, metavar="PATH",
-            help="write a PNG picture to PATH instead of printing ASCII "
+            "--out", default=None, metavar="PATH", type=_png_path,
+            help="write a PNG picture to PATH (a .png file) instead of printing ASCII "
             "(needs matplotlib: pip install 'flash-msa[plot]')",
         )  # fmt: skip
         sub.add_argument(
@@ -570,6 +570,54 @@ def _positive(name: str):
         return value
 
     return parse
+
+
+def _folder(text: str) -> str:
+    """An argparse type: a folder to write into, made now (with its parents) so that a bad
+    path fails before the work, not after it."""
+    import pathlib
+
+    try:
+        pathlib.Path(text).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write into folder {text!r}: {error}") from None
+    return text
+
+
+def _png_path(text: str) -> str:
+    """An argparse type: a .png file whose folder exists."""
+    import pathlib
+
+    path = pathlib.Path(text)
+    if path.suffix.lower() != ".png" or path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"--out must name a .png file in an existing folder, got {text!r}"
+        )
+    return text
+
+
+def _device(text: str) -> str:
+    """An argparse type: "cpu", or "cuda" / "cuda:N" where a GPU is present."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"device {text!r}: this machine has no CUDA GPU")
+    return text
+
+
+def _minutes(text: str) -> float:
+    """An argparse type: a positive finite number of minutes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"max_minutes must be a positive number, got {text!r}")
+    return value
 
 
 def _layout_names(text: str) -> tuple[str, ...]:
@@ -630,7 +678,7 @@ def _add_bench_parser(commands) -> None:
         + f" (default: {','.join(BENCH_LAYOUTS)})",
     )  # fmt: skip
     add(
-        "--out", default="bench-results", metavar="DIR",
+        "--out", default="bench-results", metavar="DIR", type=_folder,
         help="folder for bench.json, bench.md and bench.png (default: bench-results)",
     )  # fmt: skip
     bench_parser.set_defaults(run=bench, parser=bench_parser)
@@ -714,11 +762,12 @@ def _add_niah_parser(commands) -> None:
     add(
         "--checkpoint-dir",
         default="niah-checkpoints",
+        type=_folder,
         help="checkpoints and per-variant results; reuse it to resume (default: niah-checkpoints)",
     )
     add(
         "--max-minutes",
-        type=float,
+        type=_minutes,
         default=None,
         help="wall-clock budget of this run: save and stop when spent, resume on the next run "
         "(default: none)",
@@ -726,11 +775,13 @@ def _add_niah_parser(commands) -> None:
     add(
         "--out",
         default="niah-results",
+        type=_folder,
         help="results directory for niah.json, niah.md and niah.png (default: niah-results)",
     )
     add(
         "--device",
         default=None,
+        type=_device,
         help="torch device to train on (default: cuda when present, else cpu; cpu with --tiny)",
     )
     add(

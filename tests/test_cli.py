@@ -71,6 +71,12 @@ def _option_parsers():
         (["show", "causal", "--seq-len", "0"], "seq_len must be a positive int, got 0"),
         (["demo", "--seq-len", "0"], "seq_len must be a positive int, got 0"),
         (["demo", "--block-size", "100"], "block_size 100 is not one of (16, 32, 64, 128)"),
+        (["show", "causal", "--out", "/nonexistent/x.png"], "a .png file in an existing folder"),
+        (["show", "causal", "--out", "picture"], "a .png file in an existing folder"),
+        (["bench", "--out", __file__], "cannot write into folder"),
+        (["niah", "--tiny", "--device", "tpu"], "device must be cpu or cuda[:N], got 'tpu'"),
+        (["niah", "--tiny", "--max-minutes", "-1"], "max_minutes must be a positive number"),
+        (["niah", "--tiny", "--checkpoint-dir", f"{__file__}/sub"], "cannot write into folder"),
     ],
 )
 def test_bad_values_end_in_one_error_line(argv, message, capsys):
