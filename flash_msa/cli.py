@@ -573,14 +573,16 @@ def _positive(name: str):
 
 
 def _folder(text: str) -> str:
-    """An argparse type: a folder to write into, made now (with its parents) so that a bad
-    path fails before the work, not after it."""
+    """An argparse type: a folder the command can make or write into (checked now, so that a
+    bad path fails before the work, not after it; made only when something is written)."""
+    import os
     import pathlib
 
-    try:
-        pathlib.Path(text).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot write into folder {text!r}: {error}") from None
+    path = pathlib.Path(text).absolute()
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not existing.is_dir() else "is not writable"
+        raise argparse.ArgumentTypeError(f"cannot write into folder {text!r}: {existing} {what}")
     return text
 
 
@@ -610,13 +612,13 @@ def _device(text: str) -> str:
 
 
 def _minutes(text: str) -> float:
-    """An argparse type: a positive finite number of minutes."""
+    """An argparse type: a finite number of minutes >= 0 (0: stop after one step)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"max_minutes must be a positive number, got {text!r}")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"max_minutes must be a number >= 0, got {text!r}")
     return value
 
 

@@ -82,8 +82,11 @@ class ModelConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field.name} must be a positive int, got {value!r}")
-        if not self.rope_base > 1:
-            raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
+        rope_base = self.rope_base
+        if type(rope_base) not in (int, float) or not 1 < rope_base < float("inf"):
+            raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
+        if not isinstance(self.checkpointing, bool):
+            raise TypeError(f"checkpointing must be a bool, got {self.checkpointing!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"

@@ -38,6 +38,11 @@ from flash_msa.niah.model import ModelConfig, NeedleLM
 from flash_msa.niah.tasks import NeedleConfig, seed_of, training_batch
 
 
+def _is_real(value) -> bool:
+    """An int or float, not a bool (NaN passes here and fails the range checks)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The schedule and the optimiser.
@@ -93,8 +98,21 @@ class TrainConfig:
                 f"train_len {self.train_len} must be min_len {self.min_len} times a power of two"
             )
         for name in ("msa_warmup", "curriculum"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not _is_real(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
+        for name in ("lr", "grad_clip"):  # positive
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        for name in ("weight_decay", "lm_weight", "kl_weight"):  # zero allowed
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("lr_warmup", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
     def lengths(self) -> list[int]:
         """The training lengths, shortest first."""

@@ -93,7 +93,9 @@ def test_selections_keeping_every_block_equal_dense(variant):
         (dict(dim=62), "dim 62 must be a multiple of heads"),
         (dict(kv_heads=3), "multiple of kv_heads"),
         (dict(layers=0), "layers must be a positive int"),
-        (dict(rope_base=1.0), "rope_base must be > 1"),
+        (dict(rope_base=1.0), "rope_base must be a finite number > 1"),
+        (dict(rope_base=float("nan")), "rope_base must be a finite number > 1"),
+        (dict(rope_base="abc"), "rope_base must be a finite number > 1"),
         (dict(dim=12), "head_dim 3 must be even"),
     ],
 )

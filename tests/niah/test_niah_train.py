@@ -110,6 +110,13 @@ def test_step_timing_changes_no_parameter():
         (dict(steps=0), "steps must be a positive int"),
         (dict(curriculum=1.5), "curriculum must be a fraction"),
         (dict(batch=4, max_sequences=2), "max_sequences 2 must be at least batch 4"),
+        (dict(curriculum=None), "curriculum must be a fraction"),
+        (dict(lr=-1.0), "lr must be a positive finite number"),
+        (dict(lr=float("nan")), "lr must be a positive finite number"),
+        (dict(grad_clip=0), "grad_clip must be a positive finite number"),
+        (dict(kl_weight="a"), "kl_weight must be a finite number >= 0"),
+        (dict(lr_warmup=1.5), "lr_warmup must be an int >= 0"),
+        (dict(seed=None), "seed must be an int >= 0"),
     ],
 )
 def test_config_errors(changes, match):
