@@ -12,7 +12,7 @@ from flash_msa import distributed, patterns
 from flash_msa.distributed.plan import check_balance
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
-from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
+from flash_msa.msa.interface import MAX_MASK_QUERIES, default_q_block
 from flash_msa.msa.token_selection import check_score_dtype
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
@@ -224,9 +224,7 @@ class MSAAttention(_ProjectedAttention):
         dtype=None,
     ):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
-        if not isinstance(granularity, str) or granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        q_block = default_q_block(q_block, granularity)
+        q_block = default_q_block(q_block, granularity)  # checks the granularity
         check_score_dtype(score_dtype, torch.device("cpu"), granularity)  # the GPU: per call
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,

@@ -61,7 +61,7 @@ from flash_msa.integrations.transformers import (
 from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
-from flash_msa.msa.interface import GRANULARITIES, MAX_MASK_QUERIES, default_q_block
+from flash_msa.msa.interface import MAX_MASK_QUERIES, check_granularity, default_q_block
 from flash_msa.msa.token_selection import FP8, check_score_dtype
 from flash_msa.rotary import apply_rotary, rotary_tables
 
@@ -139,6 +139,7 @@ def _check_settings(settings: dict) -> None:
             f"proxy_head_dim {settings['proxy_head_dim']} must be even: rotary embeddings "
             "rotate pairs"
         )
+    check_granularity(settings["granularity"])  # first: it sets q_block's default
     check_block_size("q_block", settings["q_block"])
     check_block_size("kv_block", settings["kv_block"])
     if settings["q_block"] > settings["kv_block"]:
@@ -146,16 +147,14 @@ def _check_settings(settings: dict) -> None:
             f"q_block {settings['q_block']} must be <= kv_block {settings['kv_block']}: each "
             "query block must lie inside one kv block, its diagonal"
         )
-    if settings["granularity"] not in GRANULARITIES:
-        raise ValueError(
-            f"granularity must be one of {GRANULARITIES}, got {settings['granularity']!r}"
-        )
     if settings["granularity"] == "token" and settings["q_block"] > MAX_MASK_QUERIES:
         raise ValueError(
             f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got "
             f"{settings['q_block']}"
         )
-    if settings["score_dtype"] not in SCORE_DTYPES:
+    if not isinstance(settings["score_dtype"], (str, type(None))) or (
+        settings["score_dtype"] not in SCORE_DTYPES
+    ):
         raise ValueError(
             f"score_dtype must be None or one of {list(SCORE_DTYPES)[1:]}, got "
             f"{settings['score_dtype']!r}"
@@ -164,8 +163,8 @@ def _check_settings(settings: dict) -> None:
         SCORE_DTYPES[settings["score_dtype"]], torch.device("cpu"), settings["granularity"]
     )
     rope_base = settings["rope_base"]
-    if not isinstance(rope_base, (int, float)) or isinstance(rope_base, bool) or rope_base <= 1:
-        raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
+    if type(rope_base) not in (int, float) or not 1 < rope_base < float("inf"):
+        raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
     if not isinstance(settings["warmup"], bool):
         raise TypeError(f"warmup must be a bool, got {settings['warmup']!r}")
 
@@ -505,6 +504,15 @@ def attention_forward(
         )
     hidden_states = _hidden_states_of(module, batch, seq_len)
     settings = _settings(module.config)
+    _check_settings(settings)  # the config may have been edited since the conversion
+    width = (settings["num_proxy_heads"] + 1) * settings["proxy_head_dim"]
+    if module.proxy_proj.out_features != width:
+        raise ValueError(
+            f"config.{CONFIG_KEY} asks {settings['num_proxy_heads']} proxy heads of "
+            f"{settings['proxy_head_dim']}, but the layer's proxy_proj was made for another "
+            f"count or size ({module.proxy_proj.out_features} outputs): convert the model "
+            "again rather than editing these settings"
+        )
     document_ids = _documents(attention_mask, kwargs, batch, seq_len)
     packed = _packed_cu_seqlens(kwargs, batch, seq_len, document_ids)
     if packed is not None:

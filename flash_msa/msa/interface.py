@@ -30,10 +30,16 @@ GRANULARITIES = ("token", "block")
 DEFAULT_Q_BLOCKS = {"token": 16, "block": 64}
 
 
+def check_granularity(granularity) -> None:
+    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
 def default_q_block(q_block: int | None, granularity: str) -> int:
-    """q_block, or the granularity's default where it is None (an unknown granularity is
-    left to check_msa_inputs)."""
-    return DEFAULT_Q_BLOCKS.get(granularity, 64) if q_block is None else q_block
+    """q_block, or the granularity's default where it is None (the granularity checked
+    first, so that a wrong one is named rather than a block size it implies)."""
+    check_granularity(granularity)
+    return DEFAULT_Q_BLOCKS[granularity] if q_block is None else q_block
 
 
 class MsaSelection(NamedTuple):
@@ -73,8 +79,7 @@ def check_msa_inputs(
     heads_q, heads_proxy = q.shape[-2], q_proxy.shape[-2]
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    check_granularity(granularity)
     check_score_dtype(score_dtype, q.device, granularity)
     q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
     check_block_size("q_block", q_block, q_block_sizes)

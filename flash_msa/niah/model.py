@@ -29,7 +29,7 @@ from flash_msa import patterns
 from flash_msa.layout import BlockLayout
 from flash_msa.modules import MSAAttention, _ProjectedAttention
 from flash_msa.msa import block_scores
-from flash_msa.msa.interface import GRANULARITIES
+from flash_msa.msa.interface import check_granularity
 from flash_msa.niah.tasks import seed_of
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -87,10 +87,7 @@ class ModelConfig:
             raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
         if not isinstance(self.checkpointing, bool):
             raise TypeError(f"checkpointing must be a bool, got {self.checkpointing!r}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(
-                f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
-            )
+        check_granularity(self.granularity)
         if self.dim % self.heads or self.heads % self.kv_heads:
             raise ValueError(
                 f"dim {self.dim} must be a multiple of heads {self.heads}, and heads a multiple "

@@ -304,3 +304,20 @@ def test_inputs_of_the_wrong_type_are_refused():
         model(input_ids, position_ids=torch.arange(64.0)[None], use_cache=False)
     with pytest.raises(TypeError, match="cu_seq_lens_q must be an int tensor"):
         model(input_ids, cu_seq_lens_q=[0, 32, 64], use_cache=False)
+
+
+def test_settings_edited_after_the_conversion_are_checked():
+    model = converted()
+    input_ids = tokens(1, 64)
+    settings = model.config.flash_msa_msa
+    for changes, match in [
+        (dict(score_dtype="float16"), "score_dtype must be None or one of"),
+        (dict(num_proxy_heads=4), "proxy_proj was made for another count or size"),
+        (dict(granularity=["token"]), r"granularity must be one of \('token', 'block'\)"),
+    ]:
+        model.config.flash_msa_msa = {**settings, **changes}
+        with pytest.raises(ValueError, match=match):
+            model(input_ids, use_cache=False)
+    model.config.flash_msa_msa = {key: value for key, value in settings.items() if key != "top_k"}
+    with pytest.raises(ValueError, match="must hold exactly"):
+        model(input_ids, use_cache=False)
