@@ -187,7 +187,7 @@ def _builder_call(spec_key: str):
     spec = json.loads(spec_key)
     name = spec.pop("pattern")
     builders = _builders()
-    if name not in builders:
+    if not isinstance(name, str) or name not in builders:
         raise ValueError(
             f"config.{CONFIG_KEY} pattern {name!r} is not a layout builder; choose one of "
             f"{sorted(builders)}"

@@ -47,6 +47,7 @@ This module imports transformers only inside its functions.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -402,6 +403,13 @@ def load_msa_model(path, model_class=None, **kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_class = AutoModelForCausalLM if model_class is None else model_class
+    if not isinstance(model_class, type) or not hasattr(model_class, "from_pretrained"):
+        raise TypeError(
+            f"model_class must be a transformers model class or Auto class (with "
+            f"from_pretrained), got {model_class!r}"
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a folder or a Hub id (a str), got {path!r}")
     config = kwargs.pop("config", None)
     if config is None:
         hub_options = {name: kwargs[name] for name in _HUB_OPTIONS if name in kwargs}

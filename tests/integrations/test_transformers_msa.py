@@ -321,3 +321,10 @@ def test_settings_edited_after_the_conversion_are_checked():
     model.config.flash_msa_msa = {key: value for key, value in settings.items() if key != "top_k"}
     with pytest.raises(ValueError, match="must hold exactly"):
         model(input_ids, use_cache=False)
+
+
+def test_load_msa_model_refuses_what_cannot_load(tmp_path):
+    with pytest.raises(TypeError, match="model_class must be a transformers model class"):
+        msa_hf.load_msa_model(tmp_path, model_class=int)
+    with pytest.raises(TypeError, match="path must be a folder or a Hub id"):
+        msa_hf.load_msa_model(None)
