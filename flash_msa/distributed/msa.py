@@ -21,7 +21,7 @@ from flash_msa.distributed.plan import CpPlan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.interface import MsaSelection, check_msa_inputs, default_q_block
-from flash_msa.msa.kl import proxy_kl_loss
+from flash_msa.msa.kl import checked_kl_loss
 from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
@@ -174,7 +174,7 @@ def msa_func_cp(
         softmax_scale=scale, return_lse=True, document_ids=document_ids, positions=positions,
         query_masks=query_masks,
     )  # fmt: skip
-    kl_sum = proxy_kl_loss(
+    kl_sum = checked_kl_loss(
         q_proxy, k_proxy_all, q, k_all, lse, layout, softmax_scale=scale,
         proxy_softmax_scale=proxy_scale, document_ids=document_ids, q_blocks=q_blocks,
         query_masks=query_masks, reduction="sum",

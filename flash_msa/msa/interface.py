@@ -11,7 +11,7 @@ from flash_msa import _env, patterns
 from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.checks import check_tensors
-from flash_msa.msa.kl import proxy_kl_loss
+from flash_msa.msa.kl import checked_kl_loss
 from flash_msa.msa.token_selection import (
     FP8,
     MAX_MASK_QUERIES,
@@ -297,7 +297,7 @@ def msa_func(
         q, k, v, layout, causal=True, softmax_scale=scale, return_lse=True,
         document_ids=document_ids, query_masks=query_masks,
     )  # fmt: skip
-    kl_loss = proxy_kl_loss(
+    kl_loss = checked_kl_loss(
         q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
         proxy_softmax_scale=proxy_scale, document_ids=document_ids, query_masks=query_masks,
     )  # fmt: skip

@@ -582,6 +582,20 @@ def proxy_kl_loss(
     """
     _check_kl_inputs(q_proxy, k_proxy, q, k, lse, layout, softmax_scale, proxy_softmax_scale,
                      document_ids, q_blocks)  # fmt: skip
+    return checked_kl_loss(
+        q_proxy, k_proxy, q, k, lse, layout, softmax_scale=softmax_scale,
+        proxy_softmax_scale=proxy_softmax_scale, document_ids=document_ids, q_blocks=q_blocks,
+        query_masks=query_masks, reduction=reduction,
+    )  # fmt: skip
+
+
+def checked_kl_loss(
+    q_proxy, k_proxy, q, k, lse, layout, *, softmax_scale, proxy_softmax_scale, document_ids,
+    q_blocks=None, query_masks=None, reduction="mean",
+) -> torch.Tensor:  # fmt: skip
+    """proxy_kl_loss on tensors, layout, scales and documents already checked (msa_func and
+    msa_func_cp check them, and their document check reads the device: once a call); it
+    checks q_blocks, query_masks and reduction."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if q_blocks is not None:
