@@ -42,10 +42,13 @@ def layout_meta(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if q_block is not None and kv_block is not None:
         check_block_size("block_size", block_size)  # unused, but still a mistake when wrong
-    q_block = check_block_size(
-        "q_block", block_size if q_block is None else q_block, LAYOUT_BLOCK_SIZES
-    )  # rows of one token too (per-token MSA's plans)
-    kv_block = check_block_size("kv_block", block_size if kv_block is None else kv_block)
+    # A size the caller left out comes from block_size: name that in the error.
+    if kv_block is None:
+        kv_block = check_block_size("block_size", block_size)
+    check_block_size("kv_block", kv_block)
+    if q_block is None:
+        q_block = block_size
+    check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)  # rows of one token too (MSA)
     return dict(
         seq_len_q=seq_len_q,
         seq_len_kv=seq_len_q if seq_len_kv is None else seq_len_kv,

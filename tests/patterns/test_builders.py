@@ -241,10 +241,10 @@ def test_stack_gives_one_layout_head_each():
         (lambda: patterns.sliding_window(64, -1), ValueError, "window must be a non-negative"),
         (lambda: patterns.dilated(64, 32, 0), ValueError, "dilation must be a positive int"),
         (lambda: patterns.random_blocks(64, -2), ValueError, "blocks_per_row must be"),
-        (lambda: patterns.causal(64, block_size=100), ValueError, "q_block must be one of"),
+        (lambda: patterns.causal(64, block_size=100), ValueError, "block_size must be one of"),
         (lambda: patterns.causal(True), ValueError, "seq_len must be a positive int, got True"),
         (lambda: patterns.causal(64.0), ValueError, "seq_len must be a positive int, got 64.0"),
-        (lambda: patterns.causal(64, block_size=0), ValueError, "q_block must be .* got 0"),
+        (lambda: patterns.causal(64, block_size=0), ValueError, "block_size must be .* got 0"),
         (lambda: patterns.causal(64, q_block=64.0), ValueError, "q_block must be .* got 64.0"),
         (lambda: patterns.causal(64, kv_block=True), ValueError, "kv_block must be .* got True"),
         (
