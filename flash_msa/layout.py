@@ -133,6 +133,12 @@ class BlockLayout:
         num_layouts = row_offsets.shape[0] if row_offsets.dim() == 2 else -1
         _check_positive_int("layout_batch", layout_batch)
         if layout_heads is None:
+            if max(num_layouts, 1) % layout_batch:
+                raise ValueError(
+                    f"row_offsets holds {max(num_layouts, 1)} layouts (its rows), not a multiple "
+                    f"of layout_batch {layout_batch}: pass layout_heads, or row_offsets of "
+                    "layout_batch * layout_heads rows"
+                )
             layout_heads = max(num_layouts, 1) // layout_batch
         _check_positive_int("layout_heads", layout_heads)
         self.layout_batch = layout_batch
@@ -413,6 +419,9 @@ class BlockLayout:
         return dense.view(self.num_layouts, self.num_q_blocks, self.num_kv_blocks)
 
     def to(self, device: torch.device | str) -> BlockLayout:
+        """The layout on another device (its tensors stay int32)."""
+        if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+            raise TypeError(f"device must be a torch.device, str or int, got {device!r}")
         self.check_unchanged()  # the copy skips validation: its source must still be valid
         return BlockLayout(
             self.row_offsets.to(device), self.col_indices.to(device), **self._meta(), validate=False

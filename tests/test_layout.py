@@ -70,6 +70,18 @@ def test_constructor_validation(offsets, cols, meta, error, match):
         raw(offsets, cols, **meta)
 
 
+def test_layout_batch_must_divide_the_rows_when_layout_heads_is_left_out():
+    offsets, cols = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="row_offsets holds 1 layouts .* layout_batch 2"):
+        BlockLayout(offsets, cols, seq_len_q=128, layout_batch=2)
+
+
+def test_to_takes_a_device():
+    for device in (None, torch.float32):
+        with pytest.raises(TypeError, match="device must be a torch.device, str or int"):
+            patterns.causal(256).to(device)
+
+
 def test_constructor_rejects_wrong_dtypes():
     with pytest.raises(ValueError, match="row_offsets must be int32, got torch.int64"):
         BlockLayout(torch.tensor([[0, 1]]), torch.tensor([0], dtype=torch.int32), seq_len_q=16)
