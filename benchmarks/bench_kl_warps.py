@@ -1,12 +1,11 @@
-"""The MSA KL kernels' warps and dk_proxy's teacher dots on bench_msa's inputs (128K tokens,
-H_q 64, H_p 4, D 128, top_k 16): forward without a gradient, forward with the q_proxy
-gradient (the rows kernel), and the k_proxy backward (dk_proxy), per selection, at 4, 8 and
-16 warps and with dk_proxy's teacher dots of 4, 8 and 16 heads of a token; medians of 3
-timed calls.
+"""The MSA KL kernels at 4 and 8 warps on bench_msa's inputs (128K tokens, H_q 64, H_p 4,
+D 128, top_k 16): forward without a gradient, forward with the q_proxy gradient (the rows
+kernel), and the k_proxy backward (dk_proxy), per selection, and for query blocks of 2 to 32
+rows with dk_proxy gathering 1, 2 or 4 of them a step; medians of 3 timed calls.
 
     python3 benchmarks/bench_kl_warps.py [--seq-len 128k] [--proxies local,random]
 
-flash_msa.msa.kl.num_warps and dot_heads hold the faster choices.
+flash_msa.msa.kl.num_warps and dk_proxy_entries hold the faster choices.
 """
 
 from __future__ import annotations
@@ -40,14 +39,19 @@ def median_ms(function, repeats: int = 3) -> float:
     return sorted(times)[repeats // 2]
 
 
-def time_kl(loss, warps: int, heads: int) -> tuple[float, float, float]:
+def entry_choices(q_block: int) -> list[int]:
+    """Query blocks per dk_proxy step to time: 1, 2 and 4 for blocks of 2 to 32 rows, else
+    kl.dk_proxy_entries' own."""
+    return [1, 2, 4] if 1 < q_block < 64 else [kl.dk_proxy_entries(q_block)]
+
+
+def time_kl(loss, warps: int, entries: int) -> tuple[float, float, float]:
     """(forward without a gradient, forward with the q_proxy gradient, forward + backward) ms
-    of loss() with every KL program at `warps` warps and dk_proxy's teacher dots `heads`
-    heads of each of its tokens."""
+    of loss() with every KL program at `warps` warps and dk_proxy gathering `entries` query
+    blocks a step."""
     with (
-        mock.patch.object(kl, "num_warps", lambda kernel, q_block, group: warps),
-        mock.patch.object(kl, "dot_heads",
-                          lambda kernel, tokens, group_pad: min(heads, group_pad)),  # fmt: skip
+        mock.patch.object(kl, "num_warps", lambda kernel, q_block: warps),
+        mock.patch.object(kl, "dk_proxy_entries", lambda q_block: entries),
     ):
         with torch.no_grad():
             forward = median_ms(loss)
@@ -63,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     seq_len = args.seq_len
     device, scale = torch.device("cuda"), bench_msa.HEAD_DIM**-0.5
-    print("| proxies | granularity | q_block | warps | dk_proxy heads a dot | forward ms "
+    print("| proxies | granularity | q_block | warps | dk_proxy entries | forward ms "
           "| forward + dq_proxy ms | dk_proxy ms | total ms |\n"
           "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for proxies in args.proxies.split(","):
@@ -85,10 +89,10 @@ def main() -> None:
                 proxy_kl_loss, q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
                 proxy_softmax_scale=scale, query_masks=masks,
             )  # fmt: skip
-            for warps in (4, 8, 16):
-                for heads in (4, 8, 16):
-                    forward, with_grad, total = time_kl(loss, warps, heads)
-                    print(f"| {proxies} | {granularity} | {q_block} | {warps} | {heads} | "
+            for warps in (4, 8):
+                for entries in entry_choices(q_block):
+                    forward, with_grad, total = time_kl(loss, warps, entries)
+                    print(f"| {proxies} | {granularity} | {q_block} | {warps} | {entries} | "
                           f"{forward:.1f} | {with_grad:.1f} | {total - with_grad:.1f} | "
                           f"{total:.1f} |", flush=True)  # fmt: skip
             q_proxy.grad = k_proxy.grad = None

@@ -31,12 +31,7 @@ from flash_msa.layout import BlockLayout
 from flash_msa.msa.checks import check_tensors
 from flash_msa.ops.interface import check_query_masks, check_softmax_scale
 from flash_msa.ops.registry import QueryMasks
-from flash_msa.ops.triton.common import (
-    element_offsets,
-    load_rows,
-    query_mask_arguments,
-    strides,
-)
+from flash_msa.ops.triton.common import query_mask_arguments, strides
 from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
@@ -56,20 +51,20 @@ def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
-def _selected(query_masks, entry, offsets):
-    """bool [T]: whether the rows at offsets [T] of an entry's query block have their bit set
-    in its int64 word (they read its kv block)."""
+def _selected(query_masks, entry, Q_BLOCK: tl.constexpr):
+    """bool [Q_BLOCK]: the rows of an entry's query block whose bit is set in its int64 word
+    (they read its kv block)."""
     word = tl.load(query_masks + entry)
-    return ((word >> offsets.to(tl.int64)) & 1) != 0
+    return ((word >> tl.arange(0, Q_BLOCK).to(tl.int64)) & 1) != 0
 
 
 @triton.jit
-def _positions(q_blocks, block, rows, offsets, Q_BLOCK: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr):
-    """[T] global positions of the rows at offsets [T] of local query block `block` (rows
-    [T], their rows of q_proxy, q and lse): rows themselves without q_blocks."""
+def _positions(q_blocks, block, rows, Q_BLOCK: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr):
+    """[Q_BLOCK] global positions of local query block `block` (rows [Q_BLOCK], its rows of
+    q_proxy, q and lse): rows themselves without q_blocks."""
     positions = rows
     if HAS_Q_BLOCKS:
-        positions = tl.load(q_blocks + block) * Q_BLOCK + offsets
+        positions = tl.load(q_blocks + block) * Q_BLOCK + tl.arange(0, Q_BLOCK)
     return positions
 
 
@@ -86,35 +81,38 @@ def _load_rows(
 
 
 @triton.jit
-def _packed_queries(
-    q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, tokens, seq_len, first_head,
-    group, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS: tl.constexpr,
+def _teacher(
+    q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
+    group, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_ROWS: tl.constexpr,
+    GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Teacher query rows for tokens [T] (q_group, lse_group point at the proxy head's first
-    query head): q [T * HEADS, D_PAD] of group heads first_head.. first_head + HEADS - 1,
-    each token's in HEADS adjacent rows (heads vary fastest, as in memory), and lse
-    [T * HEADS] in log2 units, +inf on heads from `group` on and tokens past seq_len (their
-    probabilities are 0)."""
-    T: tl.constexpr = tokens.shape[0]
-    token_rows = tl.reshape(tl.broadcast_to(tokens[:, None], (T, HEADS)), (T * HEADS,))
-    heads = first_head + tl.arange(0, T * HEADS) % HEADS  # [T * HEADS]
-    valid = (heads < group) & (token_rows < seq_len)  # [T * HEADS]
-    offsets = element_offsets(token_rows, heads, stride_q_s, stride_q_h)
-    q_rows = load_rows(q_group, offsets, valid, HEAD_DIM, HEAD_DIM_PAD)  # [T * HEADS, D_PAD]
-    lse = tl.load(lse_group + heads * stride_lse_h + token_rows, mask=valid, other=float("inf"))
-    return q_rows, lse * LOG2_E
-
-
-@triton.jit
-def _head_sums(q_rows, lse_log2, k_tile, qk_scale_log2, T: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """[T, N] fp32: per token, the sum over its heads in q_rows, lse_log2 (_packed_queries)
-    of the main attention probabilities against k_tile [N, D_PAD]: one dot for the tile."""
-    N: tl.constexpr = k_tile.shape[0]
-    HEADS: tl.constexpr = q_rows.shape[0] // T
-    logits = tl.dot(q_rows, tl.trans(k_tile), input_precision=DOT_PRECISION)  # [T * HEADS, N]
-    probs = tl.exp2(logits * qk_scale_log2 - lse_log2[:, None])  # [T * HEADS, N]
-    return tl.sum(tl.reshape(probs, (T, HEADS, N)), axis=1)  # [T, N]
+    """t [M, N] fp32: the main attention probabilities averaged over the group's query heads
+    (q_group, lse_group point at the group's first head), 0 where not visible; rows are any
+    query rows (M >= 16). HEADS_AS_ROWS: rows is one token (M = 1), whose group's heads
+    make the rows of the tile."""
+    if HEADS_AS_ROWS:
+        row = tl.max(rows, axis=0)  # the token
+        heads = tl.arange(0, GROUP_PAD)  # [G_PAD]
+        valid = (heads < group) & (row < seq_len)  # [G_PAD]
+        q_heads = _load_rows(
+            q_group + row.to(tl.int64) * stride_q_s, heads, stride_q_h, group, HEAD_DIM,
+            HEAD_DIM_PAD,
+        )  # fmt: skip  # [G_PAD, D_PAD]
+        lse = tl.load(lse_group + heads * stride_lse_h + row, mask=valid, other=0.0)
+        logits = tl.dot(q_heads, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+        probs = tl.where(valid[:, None], tl.exp2(logits - lse[:, None] * LOG2_E), 0.0)
+        teacher = tl.sum(probs, axis=0)[None, :]  # [1, N]
+    else:
+        teacher = tl.zeros(visible.shape, tl.float32)
+        for head in range(group):
+            q_tile = _load_rows(
+                q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
+            )
+            lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+            teacher += tl.exp2(logits - lse[:, None] * LOG2_E)
+    return tl.where(visible, teacher / group, 0.0)
 
 
 @triton.jit
@@ -122,7 +120,7 @@ def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.co
     """z [M, N] fp32, the scaled proxy logits; -inf where not visible."""
     if qp_tile.shape[0] >= 16:
         logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION)
-    else:  # a few tokens
+    else:  # a query block of one token
         logits = tl.sum(qp_tile.to(tl.float32)[:, None, :] * kp_tile.to(tl.float32)[None, :, :], 2)
     logits *= proxy_scale
     return tl.where(visible, logits, float("-inf"))
@@ -151,75 +149,72 @@ def _kl_rows_kernel(
     heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (TOKENS rows of a query block, batch x proxy head), walking the query
-    block's CSR row with the teacher's [TOKENS * GROUP_PAD, D] query rows held throughout;
-    writes kl_rows and lse_proxy [B, H_p, S_q]. With GRAD also grad_q_proxy = d kl_loss /
-    d q_proxy [B, S_q, H_p, D_p] times grad_scale (d kl_loss / d kl(i, p): 1 / N or 1): a
-    first walk over the student alone finds lse_proxy, the second recomputes the teacher once
-    for the loss and the gradient. seq_len counts keys, seq_len_q queries (read with
-    HAS_Q_BLOCKS only: else both are S). HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned
-    with col_indices) keep, per block, the rows whose bit is set."""
-    PARTS: tl.constexpr = Q_BLOCK // TOKENS  # programs per query block
-    block = tl.program_id(0) // PARTS
+    """One program per (query block, batch x proxy head), walking its CSR row; writes kl_rows
+    and lse_proxy [B, H_p, S_q]. With GRAD also grad_q_proxy = d kl_loss / d q_proxy
+    [B, S_q, H_p, D_p] times grad_scale (d kl_loss / d kl(i, p): 1 / N or 1): a first walk
+    over the student alone finds lse_proxy, the second recomputes the teacher once for the
+    loss and the gradient. seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS
+    only: else both are S). HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
+    col_indices) keep, per block, the rows whose bit is set."""
+    block = tl.program_id(0)
     batch = tl.program_id(1) // heads_proxy
     head = tl.program_id(1) % heads_proxy
     query_len = seq_len
     if HAS_Q_BLOCKS:
         query_len = seq_len_q
-    offsets = (tl.program_id(0) % PARTS) * TOKENS + tl.arange(0, TOKENS)  # [T] in the block
-    rows = block * Q_BLOCK + offsets  # [T]
-    positions = _positions(q_blocks, block, rows, offsets, Q_BLOCK, HAS_Q_BLOCKS)  # [T]
+    rows = block * Q_BLOCK + tl.arange(0, Q_BLOCK)  # [M]
+    positions = _positions(q_blocks, block, rows, Q_BLOCK, HAS_Q_BLOCKS)  # [M]
     documents += batch * stride_doc_b
     qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
     qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
     kp_base = k_proxy + batch * stride_kp_b + (head // proxy_group) * stride_kp_h
     k_base = k + batch * stride_k_b + (head // kv_group) * stride_k_h
-    q_rows, lse_log2 = _packed_queries(
-        q + batch * stride_q_b + head * group * stride_q_h, stride_q_s, stride_q_h,
-        lse + batch * stride_lse_b + head * group * stride_lse_h, stride_lse_h, rows, query_len, 0,
-        group, HEAD_DIM, HEAD_DIM_PAD, GROUP_PAD,
-    )  # fmt: skip  # [T * G_PAD, D_PAD], [T * G_PAD]: held for the walk
+    q_group = q + batch * stride_q_b + head * group * stride_q_h
+    lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
     row_stats = batch * heads_proxy * query_len + head * query_len + rows  # into [B, H_p, S_q]
     layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
-    running_max = tl.full((TOKENS,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((TOKENS,), tl.float32)
+    running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((Q_BLOCK,), tl.float32)
     if GRAD:  # the student's lse first: the gradient needs it in the walk below
         for entry in range(start, end):
             cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
             visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
             if HAS_QUERY_MASKS:
-                visible &= _selected(query_masks, entry, offsets)[:, None]
+                visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
             kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         seen = running_sum > 0
         lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
-        grad_q = tl.zeros((TOKENS, PROXY_DIM_PAD), tl.float32)  # [T, D_p]
+        grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
         coefficient = tl.load(grad_scale)
-    cross = tl.zeros((TOKENS,), tl.float32)  # sum_j t (log t - z)
-    teacher_sum = tl.zeros((TOKENS,), tl.float32)
+    cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
+    teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
         visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
         if HAS_QUERY_MASKS:
-            visible &= _selected(query_masks, entry, offsets)[:, None]
+            visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
         kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
         k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
         logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
-        teacher = _head_sums(q_rows, lse_log2, k_tile, qk_scale_log2, TOKENS, DOT_PRECISION)
-        teacher = tl.where(visible, teacher / group, 0.0)  # [T, N]
+        teacher = _teacher(
+            q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
+            query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK == 1, GROUP_PAD,
+            DOT_PRECISION,
+        )  # fmt: skip
         if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
-            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [T, N]
-            if TOKENS >= 16:
+            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [M, N]
+            if Q_BLOCK >= 16:
                 grad_q = tl.dot(grad_logits, kp_tile, grad_q, input_precision=DOT_PRECISION)
-            else:  # a few tokens: [T, N] x [N, D_p] as a broadcast sum
+            else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
                 grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
                                  * kp_tile.to(tl.float32)[None, :, :], 1)  # fmt: skip
         else:
@@ -252,14 +247,13 @@ def _kl_dk_proxy_kernel(
     layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEADS: tl.constexpr,
+    GROUP_PAD: tl.constexpr, ENTRIES: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
-    key head, walks the rows of the query blocks that selected the kv block, TOKENS rows a
-    step (one query block's part, or several blocks' rows gathered), the teacher's rows in
-    tiles of [TOKENS * HEADS, D] (HEADS of the GROUP_PAD group heads); writes d kl_loss /
+    key head, walks the query blocks that selected the kv block, ENTRIES of them at a time,
+    their rows gathered into one [ENTRIES * Q_BLOCK, KV_BLOCK] tile; writes d kl_loss /
     d k_proxy [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as
     in _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned
     with t_col_indices)."""
@@ -275,7 +269,6 @@ def _kl_dk_proxy_kernel(
     kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
     coefficient = tl.load(grad_scale)
     grad_k = tl.zeros((KV_BLOCK, PROXY_DIM_PAD), tl.float32)
-    slots = tl.arange(0, TOKENS)  # [T]: rows of a step, along the column's query blocks
     for head in range(key_head * proxy_group, (key_head + 1) * proxy_group):
         qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
         k_tile = _load_rows(k + batch * stride_k_b + (head // kv_group) * stride_k_h, cols,
@@ -285,37 +278,34 @@ def _kl_dk_proxy_kernel(
         layout_row = batch * layout_batch_stride + head // heads_per_layout
         column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
         first, last = tl.load(column), tl.load(column + 1)
-        for slot in range(0, (last - first) * Q_BLOCK, TOKENS):
-            entries = first + (slot + slots) // Q_BLOCK  # [T]
-            offsets = (slot + slots) % Q_BLOCK  # [T]: each row's offset in its query block
+        slots = tl.arange(0, ENTRIES * Q_BLOCK)  # [M]: rows of the gathered tile
+        offsets = slots % Q_BLOCK  # [M]: each row's offset in its query block
+        for entry in range(first, last, ENTRIES):
+            entries = entry + slots // Q_BLOCK  # [M]
             live = entries < last
-            q_block = tl.load(t_col_indices + entries, mask=live, other=0)  # [T]
-            rows = q_block * Q_BLOCK + offsets  # [T]
+            q_block = tl.load(t_col_indices + entries, mask=live, other=0)  # [M]
+            rows = q_block * Q_BLOCK + offsets  # [M]
             positions = rows
             if HAS_Q_BLOCKS:
                 positions = tl.load(q_blocks + q_block, mask=live, other=0) * Q_BLOCK + offsets
             visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
             visible &= live[:, None]
             if HAS_QUERY_MASKS:
-                words = tl.load(query_masks + entries, mask=live, other=0)  # [T]
+                words = tl.load(query_masks + entries, mask=live, other=0)  # [M]
                 visible &= (((words >> offsets.to(tl.int64)) & 1) != 0)[:, None]
             qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
-            teacher = tl.zeros((TOKENS, KV_BLOCK), tl.float32)  # [T, N]
-            for chunk in tl.static_range(GROUP_PAD // HEADS):  # HEADS of the group a dot
-                q_rows, lse_log2 = _packed_queries(
-                    q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, rows, query_len,
-                    chunk * HEADS, group, HEAD_DIM, HEAD_DIM_PAD, HEADS,
-                )  # fmt: skip  # [T * HEADS, D_PAD], [T * HEADS]
-                teacher += _head_sums(q_rows, lse_log2, k_tile, qk_scale_log2, TOKENS,
-                                      DOT_PRECISION)  # fmt: skip
-            teacher = tl.where(visible, teacher / group, 0.0)
+            teacher = _teacher(
+                q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
+                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, False, GROUP_PAD,
+                DOT_PRECISION,
+            )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
-            lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)  # [T]
-            # Rows of a step past the column's end, and rows that see no key (lse -inf, with
-            # query masks), read no key: their student is 0, not exp(-inf - -inf).
+            lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)  # [M]
+            # Rows of a gathered tile past the column's end, and rows that see no key (lse
+            # -inf, with query masks), read no key: their student is 0, not exp(-inf - -inf).
             student = tl.where(visible, tl.exp(logits - lse_p[:, None]), 0.0)
-            grad_logits = (student - teacher) * coefficient  # [T, N]
+            grad_logits = (student - teacher) * coefficient  # [M, N]
             grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
                             input_precision=DOT_PRECISION)  # fmt: skip
     dims = tl.arange(0, PROXY_DIM_PAD)
@@ -325,37 +315,19 @@ def _kl_dk_proxy_kernel(
              mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
 
 
-PACKED_ROWS = {"rows": 256, "dk_proxy": 128}  # the most rows (tokens x heads) of a teacher dot
+def dk_proxy_entries(q_block: int) -> int:
+    """Query blocks a dk_proxy step gathers into one tile: 32 tokens for rows of one token,
+    else 64 rows."""
+    return 32 if q_block == 1 else max(1, 64 // q_block)
 
 
-def tile_tokens(kernel: str, q_block: int, group: int) -> int:
-    """Tokens of a KL program's tile ("rows" or "dk_proxy") for query blocks of q_block rows
-    and `group` query heads per proxy head: 256 // group_pad rows, at least 16 (the
-    student's tl.dot; the rows kernel's tile stays inside one query block, whole below 16
-    rows)."""
-    tokens = max(16, PACKED_ROWS["rows"] // triton.next_power_of_2(group))
-    return tokens if kernel == "dk_proxy" else min(q_block, tokens)
-
-
-def group_pad(group: int, tokens: int) -> int:
-    """Rows a token's group heads take in a teacher tile: a power of two, with at least 16
-    rows per tile (tl.dot's minimum)."""
-    return max(triton.next_power_of_2(group), 16 // tokens)
-
-
-def dot_heads(kernel: str, tokens: int, group_pad: int) -> int:
-    """Group heads per teacher dot: all of them in the rows kernel (its query rows are held
-    for the walk), in dk_proxy as many as keep the dot within PACKED_ROWS rows (its
-    [KV_BLOCK, D_p] gradient accumulates beside the logits)."""
-    return max(1, min(group_pad, PACKED_ROWS[kernel] // tokens))
-
-
-def num_warps(kernel: str, q_block: int, group: int) -> int:
-    """Warps of a KL program ("rows" or "dk_proxy"): 8 for rows of one token (the
-    broadcast-sum student) and for teacher tiles of 128 rows or more, else 4."""
-    tokens = tile_tokens(kernel, q_block, group)
-    rows = tokens * dot_heads(kernel, tokens, group_pad(group, tokens))
-    return 8 if q_block == 1 or rows >= 128 else 4
+def num_warps(kernel: str, q_block: int) -> int:
+    """Warps of a KL program ("rows" or "dk_proxy"), the faster of 4 and 8 on an H200 at 128K
+    tokens (docs/performance.md): rows of one token take 8, other rows 4; dk_proxy 8 for
+    gathered tiles of 64 rows or more, else 4."""
+    if kernel == "rows":
+        return 8 if q_block == 1 else 4
+    return 8 if dk_proxy_entries(q_block) * q_block >= 64 else 4
 
 
 def _kernel_arguments(
@@ -381,6 +353,7 @@ def _kernel_arguments(
         HEAD_DIM_PAD=_env.head_dim_pad(dim), PROXY_DIM=proxy_dim,
         PROXY_DIM_PAD=_env.head_dim_pad(proxy_dim), Q_BLOCK=layout.q_block,
         KV_BLOCK=layout.kv_block,
+        GROUP_PAD=max(16, triton.next_power_of_2(heads_q // heads_proxy)),  # tl.dot's rows
         HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION=_env.dot_precision(q.dtype),
         num_stages=1,
@@ -428,14 +401,11 @@ def _kl_forward(
     divisor = _divisor(reduction, kl_rows.numel())
     grad_scale = lse.new_full((1,), 1 / divisor)  # d kl_loss / d kl(i, p)
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
-    group, q_block = q.shape[2] // heads_proxy, layout.q_block
-    tokens = tile_tokens("rows", q_block, group)
-    _kl_rows_kernel[(layout.num_q_blocks * (q_block // tokens), batch * heads_proxy)](
+    _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
         row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
         lse_proxy=lse_proxy, kl_rows=kl_rows, grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
         num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse),
-        GRAD=with_grad, TOKENS=tokens, GROUP_PAD=group_pad(group, tokens),
-        num_warps=num_warps("rows", q_block, group), **arguments,
+        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **arguments,
     )  # fmt: skip
     return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
 
@@ -483,16 +453,12 @@ def _kl_backward(
     grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     grad_k_proxy = torch.empty_like(k_proxy)
-    group = q.shape[2] // q_proxy.shape[2]
-    tokens = tile_tokens("dk_proxy", layout.q_block, group)
     _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
-        TOKENS=tokens, GROUP_PAD=group_pad(group, tokens),
-        HEADS=dot_heads("dk_proxy", tokens, group_pad(group, tokens)), t_row_offsets=t_row_offsets,
+        ENTRIES=dk_proxy_entries(layout.q_block), t_row_offsets=t_row_offsets,
         t_col_indices=t_col_indices,
         lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
         heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
-        **query_mask_arguments(masks, "csc", lse),
-        num_warps=num_warps("dk_proxy", layout.q_block, group),
+        **query_mask_arguments(masks, "csc", lse), num_warps=num_warps("dk_proxy", layout.q_block),
         **arguments,
     )  # fmt: skip
     return grad_k_proxy

@@ -71,8 +71,8 @@ def _expected_kl(tensors, layout, documents, scale, proxy_scale):
     "documents, heads_q", [(False, HEADS_Q), (True, HEADS_Q), (True, 24)]
 )
 def test_proxy_kl_loss_matches_float64(documents, heads_q):
-    """heads_q 24: 12 query heads per proxy head, padded to 16 rows per token in the
-    teacher's tiles, 16-token tiles (two per query block), dk_proxy's dots 8 heads each."""
+    """heads_q 24: 12 query heads per proxy head (the teacher's loop over a group that is
+    not a power of two)."""
     tensors = _inputs(seed=int(documents), heads_q=heads_q)
     cu_seqlens = torch.tensor([0, 70, 150, SEQ_LEN], dtype=torch.int32, device=DEVICE)
     document_ids = None
@@ -270,29 +270,23 @@ types = dict(q_proxy="*bf16", k_proxy="*bf16", q="*bf16", k="*bf16", grad_q_prox
              **{name: "*i32" for name in ("documents", "q_blocks", "row_offsets", "col_indices",
                                           "t_row_offsets", "t_col_indices")})
 sizes = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, PROXY_DIM=128, PROXY_DIM_PAD=128, KV_BLOCK=128,
-             HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False, DOT_PRECISION="tf32")
-group = 16  # H_q 64, H_p 4
+             GROUP_PAD=16, HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False, DOT_PRECISION="tf32")
 for name, kernel, options in [
     ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=1, HAS_QUERY_MASKS=False, GRAD=True)),
-    ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, GRAD=True)),
-    ("dk_proxy", kl._kl_dk_proxy_kernel, dict(Q_BLOCK=16, HAS_QUERY_MASKS=True)),
+    ("dk_proxy", kl._kl_dk_proxy_kernel,
+     dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, ENTRIES=kl.dk_proxy_entries(16))),
 ]:
-    q_block = options["Q_BLOCK"]
-    tokens = kl.tile_tokens(name, q_block, group)
-    options.update(TOKENS=tokens, GROUP_PAD=kl.group_pad(group, tokens))
-    if name == "dk_proxy":
-        options["HEADS"] = kl.dot_heads(name, tokens, options["GROUP_PAD"])
-    warps = kl.num_warps(name, q_block, group)
+    warps = kl.num_warps(name, options["Q_BLOCK"])
     report = compile_for_sm90(kernel, dict(sizes, **options), types, warps, 1, sys.argv[1])
-    print(json.dumps(dict(report, name=f"{name} q_block {q_block}")))
+    print(json.dumps(dict(report, name=f"{name} q_block {options['Q_BLOCK']}")))
 """
 
 
 def test_kl_kernels_compile_for_hopper(tmp_path):
     """The interpreter never reaches GPU code generation: compile the per-token KL kernels
-    for sm_90 (bf16, D = D_p = 128, 16 query heads per proxy head) at the tiles and warps
-    they launch with (rows of one token: the broadcast-sum student; 16-token tiles, whose
-    teacher dots pack each token's heads as rows, on tensor cores)."""
+    for sm_90 (bf16, D = D_p = 128) at the warps they launch with (rows of one token: the
+    broadcast-sum student; dk_proxy's 16-row query blocks gathered four to a tile, on
+    tensor cores)."""
     if not os.path.exists(PTXAS):
         pytest.skip("this Triton build bundles no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -303,5 +297,5 @@ def test_kl_kernels_compile_for_hopper(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     reports = {report["name"]: report for report in map(json.loads, result.stdout.splitlines())}
-    assert sorted(reports) == ["dk_proxy q_block 16", "rows q_block 1", "rows q_block 16"]
-    assert reports["dk_proxy q_block 16"]["wgmma"] and reports["rows q_block 16"]["wgmma"]
+    assert sorted(reports) == ["dk_proxy q_block 16", "rows q_block 1"]
+    assert reports["dk_proxy q_block 16"]["wgmma"]
