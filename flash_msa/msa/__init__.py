@@ -2,6 +2,7 @@
 by a KL loss."""
 
 from flash_msa.msa.block_scores import block_scores
+from flash_msa.msa.checkpointing import msa_checkpoint_context
 from flash_msa.msa.interface import MsaSelection, msa_func
 from flash_msa.msa.kl import proxy_kl_loss
 from flash_msa.msa.reference import (
@@ -16,6 +17,7 @@ __all__ = [
     "MsaSelection",
     "block_scores",
     "block_scores_reference",
+    "msa_checkpoint_context",
     "msa_func",
     "msa_reference",
     "proxy_kl_loss",

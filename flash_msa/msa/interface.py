@@ -22,6 +22,7 @@ from flash_msa.msa.token_selection import (
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.ops.triton import MIN_TILE_ROWS
 from flash_msa.ops.triton.configs import largest_power_of_two_dividing
+from flash_msa.patterns._build import diagonal_total
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 GRANULARITIES = ("token", "block")
@@ -162,6 +163,44 @@ def _token_selection_layout(
     return MsaSelection(layout, None if q_block == 1 else query_masks)
 
 
+@torch.library.custom_op("flash_msa::block_selection", mutates_args=())
+def _block_selection(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    top_k: int,
+    q_block: int,
+    kv_block: int,
+    proxy_softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-query-block selection as a layout's (row_offsets, col_indices): block scores,
+    then the diagonal and the top_k - 1 best earlier blocks of each row. One op, so that
+    activation checkpointing keeps its small output instead of scoring every causal pair
+    again (msa_checkpoint_context)."""
+    scores = block_scores(
+        q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
+        proxy_softmax_scale=proxy_softmax_scale, document_ids=document_ids,
+    )  # fmt: skip
+    layout = patterns.topk(
+        scores, top_k, seq_len_q=q_proxy.shape[1], q_block=q_block, kv_block=kv_block,
+        fixed_counts=True,
+    )  # fmt: skip
+    return layout.row_offsets, layout.col_indices
+
+
+@_block_selection.register_fake
+def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale):
+    batch, seq_len, heads = q_proxy.shape[:3]
+    num_kv_blocks = math.ceil(seq_len / kv_block)
+    meta = dict(seq_len_q=seq_len, q_block=q_block, kv_block=kv_block)
+    nnz = batch * heads * diagonal_total(meta, min(top_k, num_kv_blocks))
+    int32 = dict(dtype=torch.int32, device=q_proxy.device)
+    return (
+        torch.empty(batch * heads, math.ceil(seq_len / q_block) + 1, **int32),
+        torch.empty(nnz, **int32),
+    )
+
+
 def select(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
@@ -190,15 +229,14 @@ def select(
                 document_ids=document_ids, score_dtype=score_dtype,
             )  # fmt: skip
         else:
-            scores = block_scores(
-                q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
-                proxy_softmax_scale=proxy_softmax_scale, document_ids=document_ids,
+            row_offsets, col_indices = _block_selection(
+                q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale
+            )
+            layout = BlockLayout(
+                row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len,
+                q_block=q_block, kv_block=kv_block, layout_batch=q_proxy.shape[0],
+                layout_heads=q_proxy.shape[2], validate=False,
             )  # fmt: skip
-            layout = patterns.topk(
-                scores, top_k, seq_len_q=seq_len, q_block=q_block, kv_block=kv_block,
-                fixed_counts=True,
-            )  # fmt: skip
-            del scores
         if cu_seqlens is not None:
             layout = layout & patterns.causal(
                 seq_len, q_block=layout.q_block, kv_block=kv_block, device=device,

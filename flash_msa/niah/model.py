@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from flash_msa import patterns
 from flash_msa.layout import BlockLayout
 from flash_msa.modules import MSAAttention, _ProjectedAttention
-from flash_msa.msa import block_scores
+from flash_msa.msa import block_scores, msa_checkpoint_context
 from flash_msa.msa.interface import check_granularity
 from flash_msa.niah.tasks import seed_of
 from flash_msa.ops.interface import block_sparse_attn_func
@@ -262,7 +262,8 @@ class NeedleLM(nn.Module):
         kl_losses = []
         for layer in self.layers:
             if self.config.checkpointing and torch.is_grad_enabled():
-                x, kl_loss = checkpoint(layer, x, warmup, use_reentrant=False)
+                x, kl_loss = checkpoint(layer, x, warmup, use_reentrant=False,
+                                        context_fn=msa_checkpoint_context)  # fmt: skip
             else:
                 x, kl_loss = layer(x, warmup)
             if kl_loss is not None:
