@@ -19,7 +19,7 @@ import torch
 from common import markdown_table, parse_length, results_dir, run_metadata, timed, write_report
 
 from flash_msa.msa import select_tokens
-from flash_msa.msa.token_selection import FP8, quantize_proxies
+from flash_msa.msa.fp8 import FP8, quantize_proxies
 
 
 def agreement(expected: torch.Tensor, actual: torch.Tensor, chunk: int = 1 << 16) -> float:

@@ -50,8 +50,8 @@ from common import (
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.msa import msa_func, proxy_kl_loss
+from flash_msa.msa.fp8 import FP8
 from flash_msa.msa.interface import GRANULARITIES, MsaSelection, select
-from flash_msa.msa.token_selection import FP8
 
 HEADS_Q, HEADS_KV, HEADS_PROXY, HEADS_PROXY_KEYS = 64, 4, 4, 1
 PROXY_HEAD_DIM = HEAD_DIM

@@ -12,8 +12,8 @@ from flash_msa import distributed, patterns
 from flash_msa.distributed.plan import check_balance
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
+from flash_msa.msa.fp8 import check_score_dtype
 from flash_msa.msa.interface import MAX_MASK_QUERIES, default_q_block
-from flash_msa.msa.token_selection import check_score_dtype
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -189,7 +189,7 @@ class MSAAttention(_ProjectedAttention):
     q_block positions, cheaper and coarser) of its num_heads / num_proxy_heads query heads, and
     the main attention, always causal, runs over those blocks only. q_block None: 16 for
     "token" (only the main attention's query tile there), 64 for "block". score_dtype
-    torch.float8_e4m3fn scores the blocks in FP8 (granularity "token"; msa_func's).
+    torch.float8_e4m3fn scores the blocks in FP8 (msa_func's).
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
     projection learns from kl_loss alone (it reads x detached), and kl_loss sends no gradient
@@ -225,7 +225,7 @@ class MSAAttention(_ProjectedAttention):
     ):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
         q_block = default_q_block(q_block, granularity)  # checks the granularity
-        check_score_dtype(score_dtype, torch.device("cpu"), granularity)  # the GPU: per call
+        check_score_dtype(score_dtype, torch.device("cpu"))  # the GPU: per call
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
             proxy_head_dim=proxy_head_dim,

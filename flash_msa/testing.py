@@ -23,10 +23,11 @@ def fp8_exact_proxies(
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 q_proxy [B, S, H_p, D_p], k_proxy [B, S, H_pk, D_p] that FP8 scoring
-    (msa.token_selection.quantize_proxies) holds without loss: multiples of 1/8 up to 7/8,
-    each row holding a 7/8 (so a row's factor is 7/8 / 448 = 2^-9), the keys of kv block c
-    scaled by 2^(c % 3) (so the blocks' factors differ, by powers of two). Every product and
-    sum is then exact in fp32 (and the values in bf16): FP8 scores select as float64 does."""
+    (msa.fp8.quantize_proxies) holds without loss: multiples of 1/8 up to 7/8, each row
+    holding a 7/8, the queries at odd positions scaled by 2 (so the rows' factors are 2^-9
+    and 2^-8) and the keys of kv block c by 2^(c % 3) (so the blocks' factors differ, by
+    powers of two). Every product and sum is then exact in fp32 (and the values in bf16):
+    FP8 scores select and score as float64 does."""
     generator = torch.Generator().manual_seed(seed)
 
     def draw(heads_count):
@@ -34,8 +35,11 @@ def fp8_exact_proxies(
         values[..., 0] = 7 / 8
         return values
 
-    block_factors = 2.0 ** (torch.arange(seq_len) // kv_block % 3)  # [S]
-    return draw(heads).to(device), (draw(heads_keys) * block_factors[:, None, None]).to(device)
+    positions = torch.arange(seq_len)
+    row_factors = 2.0 ** (positions % 2)  # [S]
+    block_factors = 2.0 ** (positions // kv_block % 3)  # [S]
+    q_proxy = draw(heads) * row_factors[:, None, None]
+    return q_proxy.to(device), (draw(heads_keys) * block_factors[:, None, None]).to(device)
 
 
 def random_qkv(

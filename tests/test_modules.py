@@ -92,7 +92,6 @@ def _grad_norm(parameter: torch.Tensor) -> float:
         (dict(rope_base=0.5), "rope_base must be a finite number > 1, got 0.5"),
         (dict(rope_base="1e4"), "rope_base must be a finite number > 1, got '1e4'"),
         (dict(score_dtype=torch.int8), "score_dtype must be None .* got torch.int8"),
-        (dict(score_dtype=torch.float8_e4m3fn, granularity="block"), "granularity 'token'"),
     ],
 )
 def test_msa_layer_argument_errors(kwargs, match):

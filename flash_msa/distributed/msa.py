@@ -79,7 +79,7 @@ def _rank_selection(
             )
         scores = block_scores(
             q_proxy, k_proxy_all, **blocks, proxy_softmax_scale=scale,
-            document_ids=document_ids, q_blocks=q_blocks,
+            document_ids=document_ids, q_blocks=q_blocks, score_dtype=score_dtype,
         )  # fmt: skip  # [B, H_p, n_local, nk]
         selected = patterns.topk(
             scores, top_k, seq_len_q=q_proxy.shape[1], seq_len_kv=seq_len, **blocks,

@@ -62,8 +62,8 @@ from flash_msa.integrations.transformers import (
 from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
+from flash_msa.msa.fp8 import FP8, check_score_dtype
 from flash_msa.msa.interface import MAX_MASK_QUERIES, check_granularity, default_q_block
-from flash_msa.msa.token_selection import FP8, check_score_dtype
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
@@ -108,9 +108,9 @@ def _rope_base(config) -> float:
     return DEFAULT_ROPE_BASE if base is None else float(base)
 
 
-def _score_dtype_name(score_dtype, granularity: str) -> str | None:
+def _score_dtype_name(score_dtype) -> str | None:
     """score_dtype (checked) as the config stores it."""
-    check_score_dtype(score_dtype, torch.device("cpu"), granularity)
+    check_score_dtype(score_dtype, torch.device("cpu"))
     return {dtype: name for name, dtype in SCORE_DTYPES.items()}[score_dtype]
 
 
@@ -160,9 +160,7 @@ def _check_settings(settings: dict) -> None:
             f"score_dtype must be None or one of {list(SCORE_DTYPES)[1:]}, got "
             f"{settings['score_dtype']!r}"
         )
-    check_score_dtype(
-        SCORE_DTYPES[settings["score_dtype"]], torch.device("cpu"), settings["granularity"]
-    )
+    check_score_dtype(SCORE_DTYPES[settings["score_dtype"]], torch.device("cpu"))
     rope_base = settings["rope_base"]
     if type(rope_base) not in (int, float) or not 1 < rope_base < float("inf"):
         raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
@@ -289,7 +287,7 @@ def convert_to_msa(
     settings = dict(
         top_k=top_k, num_proxy_heads=num_proxy_heads, proxy_head_dim=proxy_head_dim,
         q_block=default_q_block(q_block, granularity), kv_block=kv_block,
-        granularity=granularity, score_dtype=_score_dtype_name(score_dtype, granularity),
+        granularity=granularity, score_dtype=_score_dtype_name(score_dtype),
         rope_base=_rope_base(model.config), warmup=False,
     )  # fmt: skip
     _attach(model, settings)

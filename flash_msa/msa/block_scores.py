@@ -8,6 +8,9 @@ walks the kv blocks c <= diagonal: S = Q K^T per tile, reduced by max, never exp
 and never written. Memory: the [B, H_p, nq, nk] output only. With q_blocks (context
 parallelism) q_proxy holds some query blocks of the sequence k_proxy holds whole, and row i of
 the scores is global query block q_blocks[i]: masks and documents see global positions.
+With score_dtype float8_e4m3fn the products run in FP8 (msa/fp8.py): each row's maximum over
+a kv block is multiplied by its query row's and the block's factors before the max over the
+query block's rows, so the scores approximate the proxies' own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import check_block_size
+from flash_msa.msa.fp8 import FP8, check_score_dtype, quantize_proxies
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import strides
 from flash_msa.patterns.topk import check_query_blocks
@@ -77,9 +81,14 @@ def _kv_block_max(
 
 @triton.jit
 def _store_block_max(
-    out_row, c, row_max, row_valid, scale, Q_BLOCK: tl.constexpr, PACK: tl.constexpr
-):
-    """Reduce [BLOCK_M] row maxima to one score per packed head and store column c."""
+    out_row, c, row_max, row_valid, scale, row_scales, k_scales, Q_BLOCK: tl.constexpr,
+    PACK: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """Reduce [BLOCK_M] row maxima to one score per packed head and store column c. SCALED:
+    the rows' and kv block c's FP8 factors (row_scales [BLOCK_M], k_scales fp32
+    [num_kv_blocks] of this key head) turn them into the proxies' maxima first."""
+    if SCALED:  # positive factors: the max of the scaled logits is the scaled max
+        row_max *= row_scales * tl.load(k_scales + c)
     # Rows past the sequence end hold zero queries: drop them before the max over rows.
     row_max = tl.where(row_valid, row_max, float("-inf"))  # [BLOCK_M]
     head_max = tl.max(tl.reshape(row_max, (Q_BLOCK, PACK)), axis=0)  # [PACK]
@@ -100,6 +109,12 @@ def _block_scores_kernel(
     stride_o_b,
     stride_o_h,
     stride_o_q,
+    q_scales,
+    stride_qs_b,
+    stride_qs_s,
+    k_scales,
+    stride_ks_b,
+    stride_ks_h,
     documents,
     stride_doc_b,
     q_blocks,
@@ -116,6 +131,7 @@ def _block_scores_kernel(
     TAIL: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr,
     HAS_Q_BLOCKS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)  # the row of scores and the block of q_proxy
@@ -139,6 +155,13 @@ def _block_scores_kernel(
         other=0.0,
     )  # [BLOCK_M, D_PAD]
     k_base = k_proxy + batch * stride_k_b + key_head * stride_k_h
+    row_scales = tl.full((Q_BLOCK * PACK,), 1.0, tl.float32)  # [BLOCK_M]
+    if SCALED:
+        row_scales = tl.load(
+            q_scales + batch * stride_qs_b + q_rows.to(tl.int64) * stride_qs_s + first_head
+            + rows % PACK, mask=row_valid, other=1.0,
+        )  # fmt: skip
+        k_scales += batch * stride_ks_b + key_head * stride_ks_h
 
     heads = first_head + tl.arange(0, PACK)  # [PACK]
     out_row = (
@@ -157,14 +180,18 @@ def _block_scores_kernel(
             q_tile, k_base, stride_k_s, positions, c * KV_BLOCK, (c + 1) * KV_BLOCK, documents,
             row_documents, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, False, DOT_PRECISION,
         )  # fmt: skip
-        _store_block_max(out_row, c, row_max, row_valid, scale, Q_BLOCK, PACK)
+        _store_block_max(
+            out_row, c, row_max, row_valid, scale, row_scales, k_scales, Q_BLOCK, PACK, SCALED
+        )
     for c in range(unmasked_end, diagonal + 1):  # one block unless q_block > kv_block
         row_max = _kv_block_max(
             q_tile, k_base, stride_k_s, positions, c * KV_BLOCK,
             tl.minimum((c + 1) * KV_BLOCK, last + 1), documents, row_documents,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, HAS_DOCUMENTS, DOT_PRECISION,
         )  # fmt: skip
-        _store_block_max(out_row, c, row_max, row_valid, scale, Q_BLOCK, PACK)
+        _store_block_max(
+            out_row, c, row_max, row_valid, scale, row_scales, k_scales, Q_BLOCK, PACK, SCALED
+        )
     for start in range(diagonal + 1, num_kv_blocks, TAIL):
         columns = start + tl.arange(0, TAIL)  # [TAIL]
         tail = tl.full((PACK, TAIL), float("-inf"), tl.float32)  # [PACK, TAIL]
@@ -189,7 +216,8 @@ def _configs(kv_block: int, block_m: int) -> list[triton.Config]:
 @functools.cache
 def _tuned_kernel(kv_block: int, block_m: int):
     return triton.autotune(
-        configs=_configs(kv_block, block_m), key=["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "PACK"]
+        configs=_configs(kv_block, block_m),
+        key=["HEAD_DIM_PAD", "Q_BLOCK", "KV_BLOCK", "PACK", "SCALED"],
     )(_block_scores_kernel)
 
 
@@ -262,6 +290,8 @@ def _block_scores(
     k_proxy: torch.Tensor,
     document_ids: torch.Tensor | None,
     q_blocks: torch.Tensor | None,
+    q_scales: torch.Tensor | None,
+    k_scales: torch.Tensor | None,
     out: torch.Tensor,
     q_block: int,
     kv_block: int,
@@ -274,18 +304,27 @@ def _block_scores(
     documents = out if document_ids is None else document_ids
     _tuned_kernel(kv_block, q_block * pack)[(out.shape[2], heads // pack, batch)](
         q_proxy=q_proxy, k_proxy=k_proxy, scores=out, **strides("q", q_proxy),
-        **strides("k", k_proxy), **strides("o", out, "bhq"), documents=documents,
+        **strides("k", k_proxy), **strides("o", out, "bhq"),
+        q_scales=out if q_scales is None else q_scales,
+        stride_qs_b=0 if q_scales is None else q_scales.stride(0),
+        stride_qs_s=0 if q_scales is None else q_scales.stride(1),
+        k_scales=out if k_scales is None else k_scales,
+        stride_ks_b=0 if k_scales is None else k_scales.stride(0),
+        stride_ks_h=0 if k_scales is None else k_scales.stride(1), documents=documents,
         stride_doc_b=0 if document_ids is None else document_ids.stride(0),
         q_blocks=out if q_blocks is None else q_blocks, seq_len=k_proxy.shape[1],
         num_kv_blocks=out.shape[3], proxy_group=group, scale=scale, HEAD_DIM=dim,
-        HEAD_DIM_PAD=_env.head_dim_pad(dim), Q_BLOCK=q_block, KV_BLOCK=kv_block, PACK=pack,
+        HEAD_DIM_PAD=max(_env.head_dim_pad(dim), 32 if k_scales is not None else 16),  # FP8 dots
+        Q_BLOCK=q_block, KV_BLOCK=kv_block, PACK=pack,
         DOT_PRECISION=_env.dot_precision(q_proxy.dtype), TAIL=TAIL_COLUMNS,
         HAS_DOCUMENTS=document_ids is not None, HAS_Q_BLOCKS=q_blocks is not None,
+        SCALED=k_scales is not None,
     )  # fmt: skip
 
 
 @_block_scores.register_fake
-def _(q_proxy, k_proxy, document_ids, q_blocks, out, q_block, kv_block, scale):
+def _(q_proxy, k_proxy, document_ids, q_blocks, q_scales, k_scales, out, q_block, kv_block,
+      scale):
     return None
 
 
@@ -299,6 +338,7 @@ def block_scores(
     document_ids: torch.Tensor | None = None,
     q_blocks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    score_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Block scores of the module docstring; every element is written, so `out` may be
     reused across steps.
@@ -317,11 +357,16 @@ def block_scores(
             whole sequence's scores. Its checks read it once from the device (not under
             torch.compile).
         out: fp32 [B, H_p, nq, nk] to write into; nq = ceil(S_q / q_block).
+        score_dtype: None (the proxies' dtype) or torch.float8_e4m3fn: the products in FP8
+            with fp32 accumulation (quantize_proxies' scaling), on GPUs of compute
+            capability 8.9 or more or under the interpreter; the scores then approximate
+            the proxies' own to e4m3's rounding.
 
     Returns:
         fp32 [B, H_p, nq, nk] block scores (out, when given).
     """
     shape = _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, q_blocks, out)
+    check_score_dtype(score_dtype, q_proxy.device)
     batch, seq_len, dim = q_proxy.shape[0], k_proxy.shape[1], q_proxy.shape[3]
     scale = 1.0 / math.sqrt(dim) if proxy_softmax_scale is None else proxy_softmax_scale
     q_proxy = q_proxy if q_proxy.stride(-1) == 1 else q_proxy.contiguous()
@@ -333,6 +378,9 @@ def block_scores(
         document_ids = document_ids.to(torch.int32).contiguous()
     if q_blocks is not None:
         q_blocks = q_blocks.to(torch.int32).contiguous()
-    _block_scores(q_proxy, k_proxy, document_ids, q_blocks, out, q_block=q_block,
-                  kv_block=kv_block, scale=scale)  # fmt: skip
+    q_scales = k_scales = None
+    if score_dtype == FP8:
+        q_proxy, q_scales, k_proxy, k_scales = quantize_proxies(q_proxy, k_proxy, kv_block)
+    _block_scores(q_proxy, k_proxy, document_ids, q_blocks, q_scales, k_scales, out,
+                  q_block=q_block, kv_block=kv_block, scale=scale)  # fmt: skip
     return out

@@ -11,14 +11,9 @@ from flash_msa import _env, patterns
 from flash_msa.layout import BLOCK_SIZES, LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.checks import check_tensors
+from flash_msa.msa.fp8 import FP8, check_score_dtype
 from flash_msa.msa.kl import checked_kl_loss
-from flash_msa.msa.token_selection import (
-    FP8,
-    MAX_MASK_QUERIES,
-    check_score_dtype,
-    select_tokens,
-    token_selection_layout,
-)
+from flash_msa.msa.token_selection import MAX_MASK_QUERIES, select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.ops.triton import MIN_TILE_ROWS
 from flash_msa.ops.triton.configs import largest_power_of_two_dividing
@@ -81,7 +76,7 @@ def check_msa_inputs(
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     check_granularity(granularity)
-    check_score_dtype(score_dtype, q.device, granularity)
+    check_score_dtype(score_dtype, q.device)
     q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
     check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)
@@ -172,6 +167,7 @@ def _block_selection(
     q_block: int,
     kv_block: int,
     proxy_softmax_scale: float,
+    fp8_scores: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-query-block selection as a layout's (row_offsets, col_indices): block scores,
     then the diagonal and the top_k - 1 best earlier blocks of each row. One op, so that
@@ -180,6 +176,7 @@ def _block_selection(
     scores = block_scores(
         q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
         proxy_softmax_scale=proxy_softmax_scale, document_ids=document_ids,
+        score_dtype=FP8 if fp8_scores else None,
     )  # fmt: skip
     layout = patterns.topk(
         scores, top_k, seq_len_q=q_proxy.shape[1], q_block=q_block, kv_block=kv_block,
@@ -189,7 +186,8 @@ def _block_selection(
 
 
 @_block_selection.register_fake
-def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale):
+def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale,
+      fp8_scores):
     batch, seq_len, heads = q_proxy.shape[:3]
     num_kv_blocks = math.ceil(seq_len / kv_block)
     meta = dict(seq_len_q=seq_len, q_block=q_block, kv_block=kv_block)
@@ -230,7 +228,8 @@ def select(
             )  # fmt: skip
         else:
             row_offsets, col_indices = _block_selection(
-                q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale
+                q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale,
+                score_dtype == FP8,
             )
             layout = BlockLayout(
                 row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len,
@@ -288,8 +287,8 @@ def msa_func(
         warmup: attend over every causal block (dense) while the proxy trains on the full
             causal context.
         granularity: "token" or "block", as above.
-        score_dtype: granularity "token" only: None (the proxies' dtype) or
-            torch.float8_e4m3fn, FP8 scores (select_tokens'; sm_89 and up).
+        score_dtype: None (the proxies' dtype) or torch.float8_e4m3fn: FP8 products for the
+            selection's scores (select_tokens' or block_scores'; sm_89 and up).
         return_selection: also return the MsaSelection the main attention ran over.
 
     Returns:

@@ -19,10 +19,8 @@ and a few selects per row and block, without a branch (a test whether any row ta
 block would synchronise the warps once per block). Nothing of size
 [S, num_kv_blocks] is ever formed: memory is the [B, H_p, S, top_k] output.
 
-With score_dtype float8_e4m3fn the products run in FP8 with fp32 accumulation (twice the
-tensor-core rate on Hopper): each proxy query row is scaled by its own largest magnitude
-(a positive factor per row leaves that row's order alone) and each kv block of proxy keys by
-its own, a positive factor the kernel multiplies back into the block's maximum.
+With score_dtype float8_e4m3fn the products run in FP8 (msa/fp8.py): a row's own factor
+leaves that row's order alone and is dropped; a kv block's is multiplied into its maximum.
 
 token_selection_layout turns the selection into the BlockLayout of the main attention's
 query tiles plus, per active block, the bit mask of the tile's queries that chose it.
@@ -39,12 +37,12 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
+from flash_msa.msa.fp8 import FP8, check_score_dtype, quantize_proxies
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows, strides
 from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
-FP8 = torch.float8_e4m3fn  # score_dtype of FP8 scoring
 MAX_PACK = 4  # proxy heads per program: a 64-row tile still spans 16 tokens
 MAX_MASK_QUERIES = 64  # query_masks are int64: one bit per query of a tile
 _EMPTY: tl.constexpr = tl.constexpr(1 << 30)  # empty slots rank after every block
@@ -265,51 +263,6 @@ def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, local: bool) 
     check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
 
 
-def quantize_proxies(
-    q_proxy: torch.Tensor, k_proxy: torch.Tensor, kv_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP8 scoring's inputs: (q8 like q_proxy, k8 like k_proxy, both float8_e4m3fn, and fp32
-    k_scales [B, H_pk, num_kv_blocks]). q8 is each (token, head) row of q_proxy over its
-    largest magnitude times e4m3's largest value, 448 (a positive factor per row, which a
-    row's ranking of blocks ignores); k8 the same per kv block of each key head, and
-    k8 * k_scales (repeated over a block's keys) is k_proxy up to e4m3's rounding. Zero rows
-    and blocks keep a factor of 1."""
-    largest = torch.finfo(FP8).max
-    q_amax = q_proxy.abs().amax(-1, keepdim=True).float()  # [B, S, H_p, 1]
-    q8 = (q_proxy.float() * (largest / torch.where(q_amax > 0, q_amax, largest))).to(FP8)
-    batch, seq_len, heads_keys, _ = k_proxy.shape
-    num_kv_blocks = math.ceil(seq_len / kv_block)
-    key_amax = k_proxy.abs().amax(-1).float()  # [B, S, H_pk]
-    padded = torch.nn.functional.pad(key_amax, (0, 0, 0, num_kv_blocks * kv_block - seq_len))
-    block_amax = padded.view(batch, num_kv_blocks, kv_block, heads_keys).amax(2)
-    k_scales = torch.where(block_amax > 0, block_amax / largest, 1.0)  # [B, blocks, H_pk]
-    key_scales = k_scales.repeat_interleave(kv_block, dim=1)[:, :seq_len, :, None]
-    k8 = (k_proxy.float() / key_scales).to(FP8)
-    return q8, k8, k_scales.transpose(1, 2).contiguous()
-
-
-def check_score_dtype(score_dtype, device: torch.device, granularity: str = "token") -> None:
-    """score_dtype is None or FP8; FP8 scores per-token selections (granularity "token") and
-    runs on device (tensor cores of sm_89 and up, or the interpreter; any CPU device passes
-    before a call)."""
-    if score_dtype not in (None, FP8):
-        raise ValueError(
-            f"score_dtype must be None (the proxies' dtype) or torch.float8_e4m3fn, got "
-            f"{score_dtype!r}"
-        )
-    if score_dtype is not None and granularity != "token":
-        raise ValueError(
-            f"score_dtype {score_dtype} applies to granularity 'token' (select_tokens), not "
-            f"{granularity!r}: pass score_dtype=None"
-        )
-    capability = _env.capability(device)
-    if score_dtype == FP8 and capability is not None and capability < (8, 9):
-        raise ValueError(
-            f"score_dtype torch.float8_e4m3fn needs FP8 tensor cores (compute capability 8.9 "
-            f"or more), but {device} has {capability[0]}.{capability[1]}: pass score_dtype=None"
-        )
-
-
 def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     """int32 [B, S]: the first position of each token's document (document_ids [B, S],
     non-decreasing along S)."""
@@ -428,7 +381,7 @@ def select_tokens(
         starts = _document_starts(document_ids)
     k_scales = None
     if score_dtype == FP8:
-        q_proxy, k_proxy, k_scales = quantize_proxies(q_proxy, k_proxy, kv_block)
+        q_proxy, _, k_proxy, k_scales = quantize_proxies(q_proxy, k_proxy, kv_block)
     selected = torch.empty(batch, heads, seq_len, top_k, dtype=torch.int32, device=q_proxy.device)
     # No token sees more than every block: columns past that are padding.
     kept = min(top_k, math.ceil(seq_len_kv / kv_block))

@@ -233,8 +233,6 @@ def test_fp8_scores_reach_msa_func_and_survive_saving(tmp_path):
         ({"q_block": 64, "kv_block": 32}, ValueError, "q_block 64 must be <= kv_block 32"),
         ({"kv_block": 48}, ValueError, "kv_block"),
         ({"score_dtype": torch.float16}, ValueError, "score_dtype must be None"),
-        ({"score_dtype": torch.float8_e4m3fn, "granularity": "block"}, ValueError,
-         "applies to granularity 'token'"),
     ],
 )
 def test_bad_settings_are_refused(options, error, match):

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from flash_msa.msa import block_scores, block_scores_reference
+from flash_msa.msa.fp8 import FP8
 from flash_msa.sequences import document_ids_of
+from flash_msa.testing import fp8_exact_proxies
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 
@@ -53,6 +55,37 @@ def test_block_scores_match_reference(geometry):
     _assert_matches(scores, reference, 1e-5)
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES[:5], ids=str)
+def test_fp8_block_scores_match_reference_on_inputs_fp8_holds(geometry):
+    """score_dtype FP8: the rows' and the blocks' factors (both varying) multiplied back,
+    exactly, on proxies e4m3 holds; with documents."""
+    seq_len, q_block, kv_block, heads, heads_keys, dim = geometry
+    q_proxy, k_proxy = fp8_exact_proxies(2, seq_len, heads, heads_keys, dim, kv_block,
+                                         seed=seq_len, device=DEVICE)  # fmt: skip
+    bounds = torch.tensor([0, seq_len // 3, seq_len], dtype=torch.int32, device=DEVICE)
+    for document_ids in (None, document_ids_of(bounds)[None].expand(2, -1)):
+        out = torch.full((2, heads, *_grid(seq_len, q_block, kv_block)), float("nan"),
+                         device=DEVICE)  # fmt: skip
+        scores = block_scores(q_proxy, k_proxy, q_block=q_block, kv_block=kv_block, out=out,
+                              document_ids=document_ids, score_dtype=FP8)  # fmt: skip
+        reference = block_scores_reference(q_proxy.double(), k_proxy.double(), q_block,
+                                           kv_block, document_ids=document_ids)  # fmt: skip
+        _assert_matches(scores, reference, 1e-6)  # exact products, then one fp32 rounding
+
+
+def test_fp8_block_scores_approximate_the_proxies():
+    """On normal proxies FP8 scores are the fp32 ones to e4m3's rounding."""
+    q_proxy, k_proxy = _inputs(256, 4, 1, 32, seed=5, device=DEVICE)
+    options = dict(q_block=32, kv_block=64)
+    scores = block_scores(q_proxy, k_proxy, score_dtype=FP8, **options)
+    reference = block_scores(q_proxy, k_proxy, **options)
+    finite = torch.isfinite(reference)
+    assert torch.equal(torch.isfinite(scores), finite)
+    error = (scores - reference)[finite].abs()
+    assert error.max().item() < 0.1 * reference[finite].abs().max().item()
+    assert error.mean().item() < 0.02 * reference[finite].abs().mean().item()
+
+
 def test_block_scores_scale_strides_and_float16():
     q_proxy, k_proxy = _inputs(150, 4, 2, 32, seed=1, device=DEVICE)
     # Non-contiguous [B, S, H, D] views of [B, H, S, D] storage.
@@ -81,6 +114,20 @@ def test_block_scores_on_gpu(geometry, dtype):
     scores = block_scores(q_proxy, k_proxy, q_block=q_block, kv_block=kv_block, out=out)
     reference = block_scores_reference(q_proxy.double(), k_proxy.double(), q_block, kv_block)
     _assert_matches(scores, reference, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geometry", GEOMETRIES + [(1000, 64, 128, 4, 1, 128)], ids=str)
+def test_fp8_block_scores_on_gpu(geometry):
+    """FP8 scores on e4m3 tensor cores (every autotune config runs) from bf16 proxies e4m3
+    holds: float64's scores."""
+    seq_len, q_block, kv_block, heads, heads_keys, dim = geometry
+    q_proxy, k_proxy = (tensor.to("cuda", torch.bfloat16) for tensor in fp8_exact_proxies(
+        2, seq_len, heads, heads_keys, dim, kv_block, seed=seq_len))  # fmt: skip
+    scores = block_scores(q_proxy, k_proxy, q_block=q_block, kv_block=kv_block,
+                          score_dtype=FP8)  # fmt: skip
+    reference = block_scores_reference(q_proxy.double(), k_proxy.double(), q_block, kv_block)
+    _assert_matches(scores, reference, 1e-6)
 
 
 def test_block_scores_reference_brute_force():
@@ -241,39 +288,41 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 Q_BLOCK, KV_BLOCK, PACK = 64, 128, 2  # MSA's blocks, 4 proxy heads per key head
 configs = module._configs(KV_BLOCK, Q_BLOCK * PACK)
 for config in (configs[0], configs[-1]):
-    constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
-                      PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS,
-                      HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False, **config.kwargs)
-    signature = {
-        arg: "constexpr" if arg in constexprs
-        else "*bf16" if arg in ("q_proxy", "k_proxy")
-        else "*fp32" if arg == "scores"
-        else "*i32" if arg in ("documents", "q_blocks")
-        else "fp32" if arg == "scale"
-        else "i32"
-        for arg in module._block_scores_kernel.arg_names
-    }
-    compiled = triton.compile(
-        ASTSource(module._block_scores_kernel, signature, constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
-    )
-    path = os.path.join(sys.argv[1], "block_scores.ptx")
-    open(path, "w").write(compiled.asm["ptx"])
-    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
-                            capture_output=True, text=True)
-    if report.returncode:
-        sys.exit(report.stderr[-3000:])
-    report = report.stderr
-    spills = re.search(r"(\\d+) bytes spill stores", report).group(1)
-    print("wgmma" in compiled.asm["ptx"], spills)
+    for proxies in ("bf16", "fp8e4nv"):  # FP8 scores: e4m3 proxies and their factors
+        constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
+                          PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS,
+                          HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False,
+                          SCALED=proxies == "fp8e4nv", **config.kwargs)
+        signature = {
+            arg: "constexpr" if arg in constexprs
+            else f"*{proxies}" if arg in ("q_proxy", "k_proxy")
+            else "*fp32" if arg in ("scores", "q_scales", "k_scales")
+            else "*i32" if arg in ("documents", "q_blocks")
+            else "fp32" if arg == "scale"
+            else "i32"
+            for arg in module._block_scores_kernel.arg_names
+        }
+        compiled = triton.compile(
+            ASTSource(module._block_scores_kernel, signature, constexprs),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+        )
+        ptx = compiled.asm["ptx"]
+        path = os.path.join(sys.argv[1], "block_scores.ptx")
+        open(path, "w").write(ptx)
+        report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+                                capture_output=True, text=True)
+        if report.returncode:
+            sys.exit(report.stderr[-3000:])
+        spills = re.search(r"(\\d+) bytes spill stores", report.stderr).group(1)
+        print("wgmma" in ptx, "e4m3" in ptx, spills)
 """
 
 
 def test_block_scores_kernel_compiles_for_hopper(tmp_path):
     """The interpreter never reaches GPU code generation: compile the first and last
-    autotune configs for sm_90 (bf16, D_p = 128) with the ptxas Triton bundles; tensor
-    cores (wgmma) and no register spills."""
+    autotune configs for sm_90 (bf16 and FP8 scores, D_p = 128) with the ptxas Triton
+    bundles; tensor cores (wgmma, e4m3 ones for FP8) and no register spills."""
     import os
     import subprocess
     import sys
@@ -292,4 +341,5 @@ def test_block_scores_kernel_compiles_for_hopper(tmp_path):
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["True", "0", "True", "0"], result.stdout
+    expected = ["True", "False", "0", "True", "True", "0"] * 2  # [wgmma, e4m3, spills] each
+    assert result.stdout.split() == expected, result.stdout

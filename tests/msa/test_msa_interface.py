@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flash_msa.msa import msa_func, msa_reference
-from flash_msa.msa.token_selection import FP8
+from flash_msa.msa.fp8 import FP8
+from flash_msa.msa.interface import GRANULARITIES
 from flash_msa.testing import fp8_exact_proxies, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
@@ -186,7 +187,6 @@ def test_msa_func_rejects_bfloat16_on_the_interpreter():
         (dict(proxy_softmax_scale=True), "proxy_softmax_scale must be a positive finite"),
         (dict(softmax_scale=1e38), "softmax_scale must be at most 10000"),
         (dict(score_dtype=torch.float16), "score_dtype must be None"),
-        (dict(score_dtype=FP8, granularity="block"), "applies to granularity 'token'"),
     ],
 )
 def test_msa_func_rejects_bad_options(options, match):
@@ -195,15 +195,18 @@ def test_msa_func_rejects_bad_options(options, match):
         msa_func(*tensors, **{"q_block": 16, "kv_block": 16, **options})
 
 
-def test_fp8_scores_run_the_step_over_the_same_selection():
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fp8_scores_run_the_step_over_the_same_selection(granularity):
     """score_dtype FP8 on proxies it holds exactly: the same selection, out and kl_loss."""
     q_proxy, k_proxy = fp8_exact_proxies(1, 160, 2, 1, 16, 32, seed=3, device=DEVICE)
     q, k, v = (t.detach() for t in _inputs(1, 160, (4, 2, 2, 1), 16, 16, seed=3)[2:])
-    options = dict(top_k=2, q_block=16, kv_block=32, return_selection=True)
+    options = dict(top_k=2, q_block=16, kv_block=32, return_selection=True,
+                   granularity=granularity)  # fmt: skip
     out, kl_loss, selection = msa_func(q_proxy, k_proxy, q, k, v, score_dtype=FP8, **options)
     expected_out, expected_kl, expected = msa_func(q_proxy, k_proxy, q, k, v, **options)
     assert torch.equal(selection.layout.col_indices, expected.layout.col_indices)
-    assert torch.equal(selection.query_masks, expected.query_masks)
+    if granularity == "token":
+        assert torch.equal(selection.query_masks, expected.query_masks)
     assert torch.equal(out, expected_out) and torch.equal(kl_loss, expected_kl)
 
 

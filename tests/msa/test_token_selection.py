@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
-from flash_msa.msa.token_selection import FP8, quantize_proxies
+from flash_msa.msa.fp8 import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
 from flash_msa.testing import PTXAS, fp8_exact_proxies
 
@@ -96,15 +96,22 @@ def test_fp8_scores_match_reference_on_inputs_fp8_holds(geometry, poisoned):
 
 
 def test_quantize_proxies_scales_rows_and_blocks():
-    """q8 rows reach 448, k8 * k_scales is k_proxy to e4m3's rounding (3 mantissa bits), and
-    an all-zero block keeps the factor 1."""
+    """q8 rows reach 448, q8 * q_scales and k8 * k_scales are the proxies to e4m3's rounding
+    (3 mantissa bits), and all-zero rows and blocks keep the factor 1."""
     generator = torch.Generator().manual_seed(1)
     q_proxy = torch.randn(2, 70, 4, 16, generator=generator)
+    q_proxy[:, 5] = 0
     k_proxy = torch.randn(2, 70, 2, 16, generator=generator) * 5
     k_proxy[:, 32:64] = 0  # block 1 of 32
-    q8, k8, k_scales = quantize_proxies(q_proxy, k_proxy, 32)
-    assert (q8.dtype, k8.dtype, k_scales.shape) == (FP8, FP8, (2, 2, 3))
-    assert torch.equal(q8.float().abs().amax(-1), torch.full((2, 70, 4), 448.0))
+    q8, q_scales, k8, k_scales = quantize_proxies(q_proxy, k_proxy, 32)
+    assert (q8.dtype, k8.dtype) == (FP8, FP8)
+    assert (q_scales.shape, k_scales.shape) == ((2, 70, 4), (2, 2, 3))
+    rows = q8.float().abs().amax(-1)
+    assert torch.equal(rows[:, 5], torch.zeros(2, 4))
+    assert torch.equal(q_scales[:, 5], torch.ones(2, 4))
+    assert torch.equal(rows[:, :5], torch.full((2, 5, 4), 448.0))
+    row_error = (q8.float() * q_scales[..., None] - q_proxy).abs()
+    assert (row_error <= q_scales[..., None] * 448 * 2**-4).all()
     assert torch.equal(k_scales[:, :, 1], torch.ones(2, 2))
     factors = k_scales.transpose(1, 2).repeat_interleave(32, dim=1)[:, :70, :, None]
     block_amax = factors * 448  # each block's largest magnitude
