@@ -10,21 +10,20 @@ kl_loss.backward() in one pass) is timed whole and in parts: selection (msa.inte
 main attention (block_sparse_attn_func over the selection, forward + backward) and KL (the
 total minus those two: the KL loss forward + backward and the glue; the KL kernels alone,
 given the main lse, are timed too); records carry a `granularity` key, and a `scores` key
-("bf16", or "fp8": with --fp8-scores each token variant runs again with score_dtype
+("bf16", or "fp8": with --fp8-scores each variant runs again with score_dtype
 float8_e4m3fn).
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
 BlockMask with per-head kv indices [1, H_q, nq, nk] (common.flex_block_mask); where it fails
 (at 1M those indices do not fit) the record keeps its error.
 Writes DIR/msa.json and msa.md after each length (DIR defaults to benchmarks/results/<gpu>/),
-keeping the records of lengths this run leaves out.
+keeping the records of the lengths and granularities this run leaves out.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import operator
 import time
 from unittest import mock
 
@@ -454,21 +453,22 @@ def main() -> None:
     )
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument(
-        "--fp8-scores", action="store_true", help="run each token variant with FP8 scores too"
+        "--fp8-scores", action="store_true", help="run each variant with FP8 scores too"
     )
     parser.add_argument("--proxies", default="random", help=f"some of {','.join(PROXIES)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    token_scores = ["bf16", "fp8"] if args.fp8_scores else ["bf16"]
+    scores_run = ["bf16", "fp8"] if args.fp8_scores else ["bf16"]
+    granularities = args.granularities.split(",")
     variants = [
         (granularity, q_block, scores)
-        for granularity in args.granularities.split(",")
+        for granularity in granularities
         for q_block in (
             [int(text) for text in args.token_q_blocks.split(",")]
             if granularity == "token"
             else [Q_BLOCK]
         )
-        for scores in (token_scores if granularity == "token" else ["bf16"])
+        for scores in scores_run
     ]
     proxies = args.proxies.split(",")
     if set(proxies) - set(PROXIES):
@@ -477,7 +477,10 @@ def main() -> None:
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
     seq_lens = sorted(parse_length(text) for text in args.seq_lens.split(","))
-    records = kept_records(out_dir / "msa.json", operator.itemgetter("seq_len"), seq_lens)
+    measured = [(s, g) for s in seq_lens for g in [*granularities, None]]  # None: dense
+    records = kept_records(
+        out_dir / "msa.json", lambda r: (r["seq_len"], r.get("granularity")), measured
+    )
     dense_measured = {}
     for seq_len in seq_lens:
         records += [
