@@ -1,0 +1,171 @@
+"""What the benchmarks share: cases, run metadata and reports, and (re-exported from
+flash_msa.bench, which `flash-msa bench` uses too) the layouts, the peers' masks, timing and
+the bar chart.
+
+Every script imports this module and the flash_msa package, never another script.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import pathlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from flash_msa import bench, patterns
+from flash_msa.bench import (  # noqa: F401  (re-exported: the scripts import them from here)
+    K,
+    M,
+    causal_layout,
+    compiled_flex,
+    failure,
+    flex_block_mask,
+    free_memory,
+    parse_length,
+    relative_difference,
+    timed,
+    topk_layout,
+    wall_ms,
+    window_layout,
+    write_chart,
+)
+from flash_msa.layout import BlockLayout
+
+HEAD_DIM = 128
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---- cases ---------------------------------------------------------------------------
+
+
+def msa_layout(seq_len: int, device) -> BlockLayout:
+    """MSA's main attention, block-shared: per kv head (4 layout heads) and query block of
+    64, its own kv block of 128 and the 15 best earlier ones by random scores, causal."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (4, -(-seq_len // 64), -(-seq_len // 128))
+    scores = torch.rand(shape, device=device, generator=generator)
+    return patterns.topk(scores, 16, seq_len_q=seq_len, q_block=64, kv_block=128,
+                         fixed_counts=True)  # fmt: skip
+
+
+class Case(NamedTuple):
+    seq_len: int
+    heads_q: int
+    heads_kv: int
+    layout: Callable[[int, object], BlockLayout]  # (seq_len, device) -> layout
+    dense: bool  # dense peers (FA4, SDPA) run too: the S x S attention fits
+
+
+# bf16, B=1, D=128, block 128, causal
+CASES = {
+    "causal-32k": Case(32 * K, 16, 16, causal_layout, True),
+    "causal-128k": Case(128 * K, 16, 16, causal_layout, True),
+    "window-128k": Case(128 * K, 16, 16, window_layout, True),
+    "window-1m": Case(M, 16, 16, window_layout, False),
+    "topk16-128k": Case(128 * K, 16, 16, topk_layout, True),
+    "topk16-1m": Case(M, 16, 16, topk_layout, False),
+    "topk16-gqa32x8-128k": Case(128 * K, 32, 8, topk_layout, False),
+    "topk16-gqa64x4-128k": Case(128 * K, 64, 4, topk_layout, False),
+    # MSA's main attention: H_q 64, H_kv 4, a layout per kv head, q_block 64
+    "msa-main-128k": Case(128 * K, 64, 4, msa_layout, False),
+}
+
+# name -> document lengths (packed back to back, causal within each), H = 16
+VARLEN_CASES = {
+    "varlen-1x128k": [128 * K],
+    "varlen-16x8k": [8 * K] * 16,
+    "varlen-skewed-128k": [64 * K, 32 * K, 16 * K, 8 * K, 4 * K, 2 * K, K, K],
+}
+
+
+# bf16 [1, S, H, D] inputs of head dim HEAD_DIM: random_tensors(seq_len, heads, *, device,
+# requires_grad, seed=1) and random_inputs(seq_len, heads_q, heads_kv, device).
+random_tensors = functools.partial(bench.random_tensors, head_dim=HEAD_DIM, dtype=torch.bfloat16)
+random_inputs = functools.partial(bench.random_inputs, head_dim=HEAD_DIM, dtype=torch.bfloat16)
+
+
+# ---- peers ---------------------------------------------------------------------------
+
+
+def failed_cell(record: dict) -> str:
+    """A report cell for a record that holds a failure (the full text is in the JSON)."""
+    return f"failed: {record['error'][:80]}"
+
+
+# ---- runs ----------------------------------------------------------------------------
+
+
+def source_digest() -> str:
+    """sha256 of flash_msa/**/*.py concatenated in byte order of their paths, 12 hex digits:
+    the same as benchmarks/gpu_tests.sh writes, and right where a copied tree has no .git."""
+    digest = hashlib.sha256()
+    paths = sorted(path.relative_to(ROOT).as_posix() for path in ROOT.glob("flash_msa/**/*.py"))
+    for path in paths:
+        digest.update((ROOT / path).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def run_metadata(device: torch.device) -> dict:
+    """The device and its memory, torch and triton versions, the date, the commit and the
+    digest of flash_msa's sources: merged into every record of the run."""
+    return dict(
+        bench.device_metadata(device), commit=bench.source_commit(),
+        source_sha256=source_digest(),
+    )  # fmt: skip
+
+
+def results_dir(out: str | None, device: torch.device, suffix: str = "") -> pathlib.Path:
+    """out, or benchmarks/results/<gpu><suffix>/ (e.g. h200, or h200x8 for suffix "x8"; cpu
+    on the CPU), created if missing."""
+    if out is None:
+        gpu = device.type == "cuda"
+        folder = torch.cuda.get_device_name(device).split()[-1].lower() if gpu else "cpu"
+        out = ROOT / "benchmarks" / "results" / f"{folder}{suffix}"
+    path = pathlib.Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def kept_records(path: pathlib.Path, key: Callable[[dict], object], measured) -> list[dict]:
+    """The records (a JSON list at path, if any) whose key is not among those this run
+    measures: a run of some cases keeps the latest figures of the others."""
+    measured = set(measured)
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    return [record for record in earlier if key(record) not in measured]
+
+
+# ---- reports -------------------------------------------------------------------------
+
+
+def markdown_table(columns: list[str], rows: list[tuple[dict, list]]) -> list[str]:
+    """Table lines; rows are (record, cells), and each row ends with its record's commit
+    ("-" for records from before commits were recorded)."""
+    lines = ["| " + " | ".join([*columns, "commit"]) + " |", "|" + "---|" * (len(columns) + 1)]
+    for record, cells in rows:
+        lines.append("| " + " | ".join([*map(str, cells), record.get("commit", "-")]) + " |")
+    return lines
+
+
+def write_report(
+    out_dir: pathlib.Path,
+    name: str,
+    records: list[dict],
+    *,
+    meta: dict,
+    title: str,
+    notes: str,
+    body: list[str],
+) -> None:
+    """out_dir/name.json (the records) and name.md: the title, this run's device, versions,
+    date and commit, the notes, then body (markdown lines, e.g. from markdown_table)."""
+    (out_dir / f"{name}.json").write_text(json.dumps(records, indent=1) + "\n")
+    run = (
+        f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; latest run "
+        f"{meta['date']} at commit {meta.get('commit', '-')}. {notes} Each row's commit is in "
+        f"its last column, its date and source digest in {name}.json."
+    )
+    (out_dir / f"{name}.md").write_text("\n".join([f"# {title}", "", run, "", *body]) + "\n")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU test suite with a header naming the device, versions, date, commit and source digest:
+#   FLASH_MSA_COMMIT=<commit> bash benchmarks/gpu_tests.sh LOG [pytest paths...]
+# (default paths: tests/ops tests/msa; without FLASH_MSA_COMMIT, git's HEAD where there is one)
+set -uo pipefail
+log=$1
+shift
+paths=("${@:-tests/ops tests/msa}")
+commit=${FLASH_MSA_COMMIT:-}
+if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
+  commit=$(git rev-parse --short HEAD)  # this repository's, not that of a folder above it
+fi
+commit=${commit:-unknown}
+# The digest too: a copied working tree may carry a stale .git (benchmarks/common.py records
+# the same digest with every benchmark result).
+digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)
+{
+  python3 -c "import datetime, torch, triton; print(f'# GPU test run: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}')"
+  echo "# commit $commit; flash_msa/**/*.py sha256 $digest"
+  echo "# python3 -m pytest -q -n 8 ${paths[*]}, then the large_memory tests alone"
+} >"$log"
+# shellcheck disable=SC2068
+python3 -m pytest -q -n 8 -rfE -m "not large_memory" ${paths[@]} 2>&1 | tee -a "$log"
+# shellcheck disable=SC2068
+python3 -m pytest -q -n 0 -rfE -m large_memory ${paths[@]} 2>&1 | tee -a "$log"

@@ -1,0 +1,261 @@
+"""Block-sparse attention with the sequence sharded across ranks (context parallelism).
+
+Each rank holds the query, key and value tokens of its plan shard. The forward sends every
+rank exactly the K/V blocks its rows read (one all_to_all_single with the plan's static
+splits), computes its rows over its own blocks while the exchange is in flight, then over
+the received blocks, and merges the two by their log-sum-exp. The backward runs both parts
+again with the merged output and lse (as FlashAttention's backward does for any split of
+the keys), sends the dK/dV of received blocks back to their owners in fp32 (fp64 for
+float64 inputs) while it computes the local part, and adds them there. The received K/V is
+kept from the forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flash_msa.distributed import comm
+from flash_msa.distributed.plan import CpPlan, RankExchange
+from flash_msa.layout import BlockLayout, BlockPositions
+from flash_msa.ops import registry
+from flash_msa.ops.custom_op import sparse_attention, sparse_attention_backward
+from flash_msa.ops.interface import check_layout_heads, check_options, check_tensors
+from flash_msa.sequences import check_document_ids
+
+COLLECTIVES = ("all_to_all", "allgather")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What both parts of one rank's attention share."""
+
+    plan: CpPlan
+    rank: int
+    group: dist.ProcessGroup | None
+    backend: str
+    causal: bool
+    window_size: tuple[int, int]
+    softmax_scale: float
+    document_ids: torch.Tensor | None
+    dropout_p: float
+    dropout_seed: int
+    collective: str  # "all_to_all" (the blocks rows read) or "allgather" (every block)
+
+    def exchange(self) -> RankExchange:
+        return self.plan.exchange(self.rank, every_block=self.collective == "allgather")
+
+    def options(self, layout: BlockLayout, kv_blocks: torch.Tensor) -> dict:
+        positions = BlockPositions(
+            q_blocks=self.plan.query_blocks(self.rank), kv_blocks=kv_blocks,
+            seq_len=self.plan.layout.seq_len_kv,
+        )  # fmt: skip
+        return dict(
+            layout=layout, backend=self.backend, causal=self.causal,
+            window_size=self.window_size, softmax_scale=self.softmax_scale,
+            document_ids=self.document_ids, dropout_p=self.dropout_p,
+            dropout_seed=self.dropout_seed, positions=positions,
+        )  # fmt: skip
+
+
+def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, S, H, D] zero-padded to `rows` along S (the plan's ragged last block)."""
+    pad = rows - tensor.shape[1]
+    return torch.nn.functional.pad(tensor, (0, 0, 0, 0, 0, pad)) if pad else tensor
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Where partial results add up: fp32, fp64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Softmax over the union of two disjoint key sets from each set's (out, lse):
+    out [B, S, H, D], lse [B, H, S] (-inf where a set is empty)."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, S]
+    finite = torch.isfinite(lse)
+
+    def weight(part):  # [B, S, H, 1]
+        return torch.where(finite, torch.exp(part - lse), 0.0).transpose(1, 2)[..., None]
+
+    wide = _wide(out_a.dtype)
+    out = out_a.to(wide) * weight(lse_a) + out_b.to(wide) * weight(lse_b)
+    return out.to(out_a.dtype), lse
+
+
+def _blocks_buffer(k_own, v_own, kv_block: int, slots: torch.Tensor | None = None):
+    """K/V of the own slots `slots` (all of them when None) as [n, kv_block, B, 2, H, D],
+    the exchanges' layout."""
+    pairs = [t.unflatten(1, (-1, kv_block)) for t in (k_own, v_own)]  # [B, n_own, kv_block, ...]
+    if slots is not None:
+        pairs = [t[:, slots] for t in pairs]
+    return torch.stack(pairs, dim=3).permute(1, 2, 0, 3, 4, 5)
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        exchange = call.exchange()
+        kv_block = call.plan.layout.kv_block
+        rows = exchange.own_blocks.numel() * kv_block
+        k_own, v_own = _padded(k, rows), _padded(v, rows)  # [B, n_own * kv_block, H_kv, D]
+        if call.collective == "allgather":
+            counts = torch.bincount(call.plan.block_owners, minlength=call.plan.world_size)
+            counts = counts.tolist()
+            own = _blocks_buffer(k_own, v_own, kv_block)
+            gathered, work = comm.all_gather_blocks(own, counts, call.group)
+        else:
+            send = _blocks_buffer(k_own, v_own, kv_block, exchange.send_slots)
+            recv, work = comm.exchange(send, exchange.send_counts, exchange.recv_counts,
+                                       call.group)  # fmt: skip
+        local = call.options(exchange.local, exchange.own_blocks)
+        out, lse = sparse_attention(q, k_own, v_own, **local)
+        if work is not None:
+            work.wait()
+        if call.collective == "allgather":
+            recv = comm.other_ranks_blocks(gathered, counts, call.rank)
+        if exchange.remote is not None:
+            k_recv, v_recv = comm.as_keys_values(recv)  # [B, n_recv * kv_block, H_kv, D]
+            remote = call.options(exchange.remote, exchange.recv_blocks)
+            out, lse = _merge(out, lse, *sparse_attention(q, k_recv, v_recv, **remote))
+        ctx.save_for_backward(q, k_own, v_own, recv, out, lse)
+        ctx.call, ctx.seq_len = call, k.shape[1]
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_lse):
+        q, k_own, v_own, recv, out, lse = ctx.saved_tensors
+        call: _Call = ctx.call
+        exchange = call.exchange()
+        wide = _wide(q.dtype)  # dQ and the dK/dV partials add up in it
+        grad_q = torch.zeros(q.shape, dtype=wide, device=q.device)
+        # Remote part first, so that its dK/dV travel while the local part computes.
+        back = recv.new_zeros(recv.shape, dtype=wide)  # [n_recv, kv_block, B, 2, H, D]
+        if exchange.remote is not None:
+            k_recv, v_recv = comm.as_keys_values(recv)
+            remote = call.options(exchange.remote, exchange.recv_blocks)
+            dq, dk, dv = sparse_attention_backward(grad_out, q, k_recv, v_recv, out, lse, **remote)
+            grad_q += dq
+            back = torch.stack([dk, dv], dim=2).unflatten(1, (-1, recv.shape[1]))
+            back = back.permute(1, 2, 0, 3, 4, 5).to(wide)  # [n_recv, kv_block, B, 2, H, D]
+        partials, work = comm.exchange(back, exchange.recv_counts, exchange.send_counts,
+                                       call.group)  # fmt: skip
+        local = call.options(exchange.local, exchange.own_blocks)
+        dq, dk, dv = sparse_attention_backward(grad_out, q, k_own, v_own, out, lse, **local)
+        grad_q += dq
+        kv_block = call.plan.layout.kv_block
+        grads = torch.stack([dk, dv], dim=2).to(wide).unflatten(1, (-1, kv_block))
+        if work is not None:
+            work.wait()
+        # [B, n_own, kv_block, 2, H, D] += each destination's partials in turn: a block
+        # several ranks read gets their sums in rank order (deterministic, no atomics).
+        partials = partials.permute(2, 0, 1, 3, 4, 5)  # [B, n_send, kv_block, 2, H, D]
+        first = 0
+        for count in exchange.send_counts:
+            slots = exchange.send_slots[first : first + count]
+            grads[:, slots] += partials[:, first : first + count]
+            first += count
+        grads = grads.flatten(1, 2)[:, : ctx.seq_len]  # [B, S_local, 2, H, D]
+        grad_k, grad_v = grads[:, :, 0].to(k_own.dtype), grads[:, :, 1].to(v_own.dtype)
+        return grad_q.to(q.dtype), grad_k, grad_v, None
+
+
+def _check_plan(plan) -> None:
+    if not isinstance(plan, CpPlan):
+        raise TypeError(f"plan must be a CpPlan (from cp_plan), got {type(plan).__name__}")
+    plan.layout.check_unchanged()
+
+
+def block_sparse_attn_cp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: CpPlan,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    document_ids: torch.Tensor | None = None,
+    collective: str = "all_to_all",
+):
+    """Block-sparse attention of one sequence sharded across the ranks of `group`.
+
+    Every rank calls it with its shards; the result on each rank is its rows of
+    block_sparse_attn_func over the whole sequence and plan.layout.
+
+    Args:
+        q: [B, S_local, H_q, D]; k, v: [B, S_local, H_kv, D]: this rank's tokens, in
+            plan.token_index(rank) order (x[:, plan.token_index(rank)] of the whole).
+        plan: a CpPlan of the global layout for the group's size (cp_plan).
+        group: the process group of the sequence's ranks (default: the world).
+        causal, window_size, softmax_scale, dropout_p, backend: as block_sparse_attn_func
+            (positions are global; dropout draws the bits one process would).
+        return_lse: also return lse fp32 [B, H_q, S_local].
+        document_ids: int [B, S] over the whole sequence (the same on every rank), e.g.
+            flash_msa.sequences.document_ids_of(cu_seqlens)[None].
+        collective: "all_to_all" sends each rank exactly the K/V blocks its rows read;
+            "allgather" brings every rank all of the others' blocks (one all_gather: for
+            dense layouts, whose rows read nearly everything). dK/dV of received blocks go
+            back by one all_to_all either way.
+
+    Returns:
+        out [B, S_local, H_q, D] (and lse): this rank's rows. Gradients reach q, k, v of
+        this rank's shards.
+
+    Before anything moves, the ranks compare their shards and plans (one all_gather of a
+    few integers): a mismatch raises the same ValueError on every rank, never a hang.
+
+    Examples:
+        >>> plan = cp_plan(layout, dist.get_world_size())
+        >>> index = plan.token_index(dist.get_rank())
+        >>> out = block_sparse_attn_cp(q[:, index], k[:, index], v[:, index], plan, causal=True)
+    """
+    _check_plan(plan)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    check_tensors(q, k, v)
+    check_options(causal, window_size, softmax_scale, dropout_p, False, return_lse)
+    rank = comm.group_rank(group, plan)
+    # Rank 0's dropout seed is every rank's: the bits match one process's.
+    seed = int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
+    seeds = comm.agree(plan, rank, group, dict(q=q, k=k, v=v), extra=seed)
+    # Shapes agree across ranks from here: every rank raises alike.
+    check_layout_heads(plan.layout, q.shape[0], q.shape[2], k.shape[2])
+    if plan.layout.device != q.device:
+        raise ValueError(
+            f"the plan's layout is on {plan.layout.device} but q on {q.device}: build the plan "
+            "from a layout on the shards' device"
+        )
+    if document_ids is not None:
+        check_document_ids(document_ids, q.shape[0], plan.layout.seq_len_kv, q.device)
+        document_ids = document_ids.to(torch.int32).contiguous()
+    exchange = plan.exchange(rank, every_block=collective == "allgather")
+    call = registry.AttentionCall(
+        device=q.device, dtype=q.dtype, head_dim=q.shape[-1], q_block=plan.layout.q_block,
+        kv_block=plan.layout.kv_block, dropout=dropout_p > 0,
+        documents=document_ids is not None, deterministic=False,
+        element_masks=causal or max(window_size) >= 0, seq_len_q=q.shape[1],
+        seq_len_kv=exchange.own_blocks.numel() * plan.layout.kv_block, batch=q.shape[0],
+        heads_q=q.shape[2], heads_kv=k.shape[2], layout_heads=plan.layout.layout_heads,
+        positions=True,
+    )  # fmt: skip
+    longest = plan.layout.seq_len_kv
+    call = _Call(
+        plan=plan, rank=rank, group=group, backend=registry.select(call, backend).name,
+        causal=causal, window_size=tuple(min(side, longest) for side in window_size),
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
+        else float(softmax_scale),
+        document_ids=document_ids, dropout_p=float(dropout_p), dropout_seed=seeds[0],
+        collective=collective,
+    )  # fmt: skip
+    out, lse = _ContextParallelAttention.apply(q, k, v, call)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,189 @@
+"""Collectives of context parallelism on torch.distributed: the agreement check that comes
+before any exchange, and the block exchanges of the forward and the backward.
+
+Buffers of whole kv blocks are laid out [n, kv_block, B, 2, H, D] (K and V side by side):
+dim 0 splits by rank for all_to_all_single, and K (or V) of n blocks reads as a strided
+[B, n * kv_block, H, D] view with unit last stride, which the kernels take without a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flash_msa.distributed.plan import CpPlan
+
+# Per-rank facts compared before the first exchange, in this order.
+FACTS = ("world_size", "plan", "seq_len", "batch", "heads_q", "heads_kv", "head_dim", "dtype")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def group_rank(group: dist.ProcessGroup | None, plan: CpPlan) -> int:
+    """This process's rank in `group` (the default group when None), after checking that the
+    group is as large as the plan; the same error on every rank of a mismatched group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "context parallelism needs torch.distributed: call "
+            "torch.distributed.init_process_group (e.g. under torchrun) first"
+        )
+    size = dist.get_world_size(group)
+    if size != plan.world_size:
+        raise ValueError(
+            f"the group has {size} ranks but the plan was built for world_size "
+            f"{plan.world_size}: build it with cp_plan(layout, {size})"
+        )
+    return dist.get_rank(group)
+
+
+def agree(
+    plan: CpPlan, rank: int, group, shards: dict[str, torch.Tensor], extra: int = 0
+) -> list[int]:
+    """Check every rank's shards against the plan and each other, before any exchange.
+
+    One all_gather of a few integers per call: each rank sends its facts (FACTS plus
+    `extra`); every rank then raises the same ValueError naming the rank and the fix if any
+    rank's shards disagree with the plan or another rank's, so no rank waits alone in a
+    later collective. Returns the `extra` value of every rank (rank order).
+    """
+    q, k = shards["q"], shards["k"]
+    expected = plan.token_index(rank).numel()
+    dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1
+    facts = [plan.world_size, plan.digest(), q.shape[1], q.shape[0], q.shape[2], k.shape[2],
+             q.shape[3], dtype_code, extra]  # fmt: skip
+    mismatch = int(
+        any(t.shape[1] != expected for t in shards.values())
+        or any(t.shape[0] != q.shape[0] for t in shards.values())
+    )
+    mine = torch.tensor([*facts, mismatch], dtype=torch.int64, device=_collective_device(q))
+    gathered = [torch.empty_like(mine) for _ in range(plan.world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).tolist()  # [w, len(FACTS) + 2]
+    for other, row in enumerate(table):
+        if row[-1]:
+            tokens = plan.token_index(other).numel()
+            raise ValueError(
+                f"rank {other}'s shards do not match the plan: it holds {tokens} tokens and "
+                f"every shard (q, k, v, ...) must be [B, {tokens}, H, D] with one B; shard "
+                "with x[:, plan.token_index(rank)]"
+            )
+        names = ("world_size", "plan")
+        for index, name in enumerate(FACTS):
+            if name == "seq_len":
+                continue  # checked per rank above
+            if row[index] != table[0][index]:
+                what = "plans" if name in names else f"{name} values"
+                raise ValueError(
+                    f"ranks 0 and {other} disagree: their {what} differ ({table[0][index]} "
+                    f"and {row[index]}); every rank must pass shards of the same batch, "
+                    "heads, head_dim and dtype, with the plan built from the same layout"
+                )
+    return [row[len(FACTS)] for row in table]
+
+
+def _collective_device(tensor: torch.Tensor) -> torch.device:
+    return tensor.device if tensor.is_cuda else torch.device("cpu")
+
+
+def kv_blocks(k: torch.Tensor, v: torch.Tensor, blocks: int, kv_block: int) -> torch.Tensor:
+    """K and V of a shard as [B, blocks, kv_block, 2, H, D], the ragged end zero-padded."""
+    pad = blocks * kv_block - k.shape[1]
+    pairs = torch.stack([k, v], dim=2)  # [B, S, 2, H, D]
+    if pad:
+        pairs = torch.nn.functional.pad(pairs, (0, 0, 0, 0, 0, 0, 0, pad))
+    return pairs.unflatten(1, (blocks, kv_block))
+
+
+def as_keys_values(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, kv_block, B, 2, H, D] -> K and V views [B, n * kv_block, H, D] (no copy)."""
+    flat = buffer.flatten(0, 1).movedim(1, 0)  # [B, n * kv_block, 2, H, D]
+    return flat[:, :, 0], flat[:, :, 1]
+
+
+def exchange(
+    send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """Start the all-to-all of whole blocks ([n, ...], n split by rank): returns the receive
+    buffer and the work to wait on (None when nothing moves anywhere but here)."""
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    if sum(send_counts) == 0 and sum(recv_counts) == 0 and len(send_counts) == 1:
+        return recv, None
+    work = dist.all_to_all_single(
+        recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts,
+        group=group, async_op=True,
+    )  # fmt: skip
+    return recv, work
+
+
+def all_gather_blocks(
+    own: torch.Tensor, counts: list[int], group
+) -> tuple[torch.Tensor, dist.Work]:
+    """Start the all-gather of every rank's own blocks ([n_own, ...], counts[t] on rank t,
+    padded to the longest): returns the [w, longest, ...] buffer and the work to wait on."""
+    longest = max(counts)
+    padded = own.new_zeros((longest, *own.shape[1:]))
+    padded[: own.shape[0]] = own
+    gathered = own.new_empty((len(counts) * longest, *own.shape[1:]))  # rank-major
+    work = dist.all_gather_into_tensor(gathered, padded, group=group, async_op=True)
+    return gathered.unflatten(0, (len(counts), longest)), work
+
+
+def other_ranks_blocks(gathered: torch.Tensor, counts: list[int], rank: int) -> torch.Tensor:
+    """[sum of the other ranks' counts, ...]: all_gather_blocks' buffer without padding and
+    without this rank's own blocks, by source rank (RankExchange's received order with
+    every_block)."""
+    parts = [gathered[t, :count] for t, count in enumerate(counts) if t != rank]
+    return torch.cat(parts) if parts else gathered[rank, :0]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's shard, padded to the longest, as one [w, B, longest, ...] (all_gather);
+    the backward sends each rank the gradients of its shard from every rank (one
+    all_to_all_single) and sums them in rank order, in fp32: a reduce-scatter that gloo
+    runs too, deterministic."""
+
+    @staticmethod
+    def forward(ctx, padded, world_size, group):
+        parts = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        ctx.group = group
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        received = torch.empty_like(grad)
+        dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
+        return received.float().sum(0).to(grad.dtype), None, None
+
+
+def gather_sequence(shard: torch.Tensor, plan: CpPlan, group) -> torch.Tensor:
+    """The whole [B, S, ...] in global order from every rank's shard [B, S_local, ...]
+    (one all_gather of shards padded to the longest). Differentiable: a shard's gradient is
+    the sum over ranks of the gradients of its tokens."""
+    tokens = [plan.token_index(rank).numel() for rank in range(plan.world_size)]
+    pad = max(tokens) - shard.shape[1]
+    padded = torch.cat([shard, shard.new_zeros((shard.shape[0], pad, *shard.shape[2:]))], 1)
+    parts = _GatherSequence.apply(padded, plan.world_size, group)  # [w, B, longest, ...]
+    whole = torch.cat([part[:, :count] for part, count in zip(parts, tokens, strict=True)], 1)
+    return whole[:, plan.gather_index()]
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """all_reduce(SUM) forward; the backward passes each rank's gradient through unchanged:
+    every rank holds the same total and backpropagates its own copy, which reaches that
+    rank's terms once."""
+
+    @staticmethod
+    def forward(ctx, value, group):
+        total = value.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_across_ranks(value: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group's ranks of a tensor, the same on every rank (differentiable:
+    see _SumAcrossRanks)."""
+    return _SumAcrossRanks.apply(value, group)

@@ -1,0 +1,78 @@
+"""The "gluon" backend: Hopper (sm_90) kernels in Triton's Gluon dialect.
+
+The forward is warp-specialised over 128 x 128 blocks (forward.py), its tiles launched
+heaviest first: full blocks take no mask work, blocks cut by the causal diagonal, a window
+edge, a document boundary or a ragged end are masked in registers. The backward
+(backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
+dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode:
+dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. It
+takes causal, window_size, documents and any sequence lengths; the registry passes what it
+refuses (dropout, per-token query masks, and what _check names) to the next backend.
+"""
+
+import functools
+
+import torch
+
+from flash_msa import _env
+from flash_msa.ops.gluon import backward
+from flash_msa.ops.gluon.forward import BLOCK_M, HEAD_DIMS, attention_forward, padded_length
+from flash_msa.ops.registry import AttentionCall, Backend, Refusal
+
+
+def _forward(
+    q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, **without_dropout
+):
+    """The registry's forward; _check and the declared fields admit only calls without
+    dropout or block positions."""
+    return attention_forward(
+        q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=softmax_scale,
+        layout_batch=layout.layout_batch, causal=causal, window_size=window_size,
+        document_ids=document_ids, row_order=layout.heavy_rows_first(),
+    )  # fmt: skip
+
+
+def _backward(
+    grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
+    deterministic=True, **without_dropout,
+):  # fmt: skip
+    """The registry's backward: backward.attention_backward with grad_q "triton" (the
+    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward."""
+    options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
+                   document_ids=document_ids)  # fmt: skip
+    return backward.attention_backward(
+        grad_out, q, k, v, out, lse, layout, **options,
+        grad_q="triton" if deterministic else "atomic",
+    )
+
+
+def _check(call: AttentionCall) -> Refusal | None:
+    if _env.capability(call.device) != (9, 0):
+        return Refusal("gluon runs on sm_90 (H100, H200) only")
+    if call.positions:
+        return Refusal("gluon has no block positions (positions=): its blocks are the tensors' own")
+    if call.layout_heads not in (1, call.heads_kv, call.heads_q):
+        return Refusal(f"gluon takes layout_heads 1, H_kv or H_q, not {call.layout_heads}")
+    if call.batch * padded_length(max(call.seq_len_q, call.seq_len_kv)) >= 2**31:
+        return Refusal("gluon addresses B * S below 2^31 tokens (TMA coordinates)")
+    return None
+
+
+BACKEND = Backend(
+    name="gluon",
+    forward=_forward,
+    backward=_backward,
+    nondeterministic_backward=functools.partial(_backward, deterministic=False),
+    speed={"cuda": 20},
+    devices=("cuda",),
+    min_capability=(9, 0),
+    dtypes=(torch.float16, torch.bfloat16),
+    head_dims=lambda head_dim: head_dim in HEAD_DIMS,
+    head_dims_text=" and ".join(map(str, HEAD_DIMS)),
+    block_sizes=(BLOCK_M,),
+    dropout=False,
+    query_masks=False,  # its masked path takes key bounds per row, not per-token selections
+    check=_check,
+)
+
+__all__ = ["BACKEND", "attention_forward"]

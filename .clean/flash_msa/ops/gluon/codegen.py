@@ -1,0 +1,174 @@
+"""The Gluon kernels' sm_90 code without a GPU: compile for Hopper, then read what the
+ptxas Triton bundles reports and the SASS.
+
+Needs a process in which TRITON_INTERPRET is not set (the tests run it in a subprocess).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+
+import triton
+
+from flash_msa.testing import PTXAS, assemble_for_sm90
+
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+TARGET = ("cuda", 90, 32)
+SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
+
+
+def available() -> str | None:
+    """Why the sm_90 compile cannot run here, or None if it can."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return "this Triton has no Gluon dialect"
+    for tool in (PTXAS, CUOBJDUMP):
+        if not os.path.exists(tool):
+            return f"this Triton build bundles no {os.path.basename(tool)}"
+    return None
+
+
+def _descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
+    from triton.experimental.gluon import language as gl
+
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
+    return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
+
+
+def partition_spill_stores(sass: str) -> int:
+    """The spill stores (STL) after the first setmaxnreg (USETMAXREG): in the partitions'
+    own code rather than in the launch code before they take their register budgets."""
+    partitions = sass[sass.find("USETMAXREG"):] if "USETMAXREG" in sass else sass
+    return len(re.findall(r"\bSTL\b", partitions))
+
+
+def overlapped_exponentials(sass: str) -> int:
+    """The most MUFU.EX2 that sit between a wgmma wait leaving one group in flight
+    (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next full wait (..., 0x0): the exponentials
+    that run while the P V matmul does (0 if ptxas hoisted the full wait above them)."""
+    best, count = 0, None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE" in line:
+            if line.rstrip(" ;").endswith("0x1") or "gsb0, 0x1" in line:
+                count = 0
+            elif count is not None:
+                best, count = max(best, count), None
+        elif count is not None and "MUFU.EX2" in line:
+            count += 1
+    return best
+
+
+def sass_fingerprint(sass: str) -> str:
+    """A digest of the instructions of a cuobjdump listing, without addresses and encodings
+    and with immediates of five hex digits or more replaced (shared-memory offsets, which
+    move with the bytes warp_specialize passes to its partitions): equal for equal code."""
+    instructions = []
+    for line in sass.splitlines():
+        match = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?)\s*;", line)
+        if match:
+            instruction = " ".join(match.group(1).split())
+            instructions.append(re.sub(r"0x[0-9a-f]{5,}", "IMM", instruction))
+    return hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16]
+
+
+def compile_forward(
+    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
+    pingpong: bool = True, masks=None, persistent: bool = False,
+) -> dict:  # fmt: skip
+    """Compile forward._forward_kernel for sm_90a with the forward.Masks `masks` (None: none,
+    the path of full blocks), persistent or a program per tile, and report {"registers": what
+    ptxas allocates a thread at launch, "max_register": 1 + the highest register the SASS names
+    (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets, "spills":
+    bytes of spill stores, "partition_spill_stores": see partition_spill_stores, "shared": bytes
+    of shared memory, "wgmma": whether it uses Hopper's warpgroup MMA, "overlapped_exps": see
+    overlapped_exponentials, "warnings": ptxas's warnings (e.g. wgmma serialised),
+    "fingerprint": see sass_fingerprint, "sass": path of the SASS}."""
+    from flash_msa.ops.gluon import forward
+
+    masks = forward.Masks() if masks is None else masks
+    types = dict(
+        q_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
+        o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
+        k_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        v_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        lse="*fp32", row_order="*i32", next_tile="*i32", row_offsets="*i32", col_indices="*i32",
+        qk_scale="fp32", out=f"*{dtype}",
+        document_first="*i32", document_last="*i32",
+    )  # fmt: skip
+    constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, PERSISTENT=persistent,
+                      **masks.constexprs())  # fmt: skip
+    turns = "pingpong" if pingpong else "plain"
+    programs = "_persistent" if persistent else ""
+    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{programs}{_mask_flags(masks)}"
+    return _compile(forward._forward_kernel, types, constexprs, workdir, name)
+
+
+def compile_backward(
+    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
+    grad_q: str = "atomic", masks=None,
+) -> dict:  # fmt: skip
+    """Compile backward._backward_kernel for sm_90a (grad_q: its mode, as in
+    backward.attention_backward) and report as compile_forward does."""
+    from flash_msa.ops.gluon import backward, forward
+
+    masks = forward.Masks() if masks is None else masks
+    rows = dict(q_desc=backward.QUERY_ROWS, do_desc=backward.QUERY_ROWS, k_desc=backward.BLOCK_N,
+                v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N, dv_desc=backward.HALF_N)
+    types = {name: _descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
+    types.update(
+        dq_desc=_descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
+        delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
+        t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
+        document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",
+    )  # fmt: skip
+    constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q != "triton",
+                      ORDERED=grad_q == "ordered", **masks.constexprs())  # fmt: skip
+    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{_mask_flags(masks)}"
+    return _compile(backward._backward_kernel, types, constexprs, workdir, name)
+
+
+def _mask_flags(masks) -> str:
+    return "".join(f"_{name}" for name, value in masks._asdict().items() if value)
+
+
+def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> dict:
+    """Compile a Gluon kernel for sm_90a (arguments not in types are i32) and report."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flash_msa.ops.gluon import forward
+
+    signature = {
+        arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names
+    }
+    compiled = triton.compile(
+        GluonASTSource(kernel, signature, constexprs), target=GPUTarget(*TARGET),
+        options=dict(num_warps=4, maxnreg=forward.MAX_REGISTERS),
+    )  # fmt: skip
+    assembled = assemble_for_sm90(compiled.asm["ptx"], workdir, name)
+    cubin = assembled["cubin"]
+    sass = subprocess.run(
+        [CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    sass_path = os.path.join(workdir, name + ".sass")
+    with open(sass_path, "w") as handle:
+        handle.write(sass)
+    registers = [int(number) for number in re.findall(r"\bR(\d+)\b", sass)]
+    return dict(
+        registers=assembled["registers"],
+        max_register=max(registers) + 1 if registers else 0,
+        setmaxnreg=sorted({int(n) for n in re.findall(SETMAXNREG, compiled.asm["ptx"])}),
+        spills=assembled["spills"],
+        partition_spill_stores=partition_spill_stores(sass),
+        shared=compiled.metadata.shared,
+        wgmma="wgmma.mma_async" in compiled.asm["ptx"],
+        overlapped_exps=overlapped_exponentials(sass),
+        warnings=assembled["warnings"],
+        fingerprint=sass_fingerprint(sass),
+        sass=sass_path,
+    )

@@ -1,0 +1,366 @@
+"""block_sparse_attn_cp across 2, 3 and 4 gloo processes against one process.
+
+Spawning is slow, so each world size is one spawn that runs every case: the ranks build the
+same global inputs from a seed, each computes the one-process result itself and compares
+its shard. A rank records failures instead of raising, so that no rank leaves the others
+waiting in a collective; the parent reports them all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flash_msa import patterns
+from flash_msa.distributed import block_sparse_attn_cp, cp_plan, msa_func_cp
+from flash_msa.modules import FlashSparseAttention
+from flash_msa.msa import msa_func
+from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.sequences import document_ids_of
+from flash_msa.testing import random_qkv, relative_error
+
+SEQ_LEN = 150  # ragged: 4 blocks of 32 and 22 tokens (head-tail on 4 ranks: empty chunks)
+
+
+def window_sinks(seq_len, window, sinks, **blocks):
+    return patterns.sliding_window(seq_len, window, **blocks) | patterns.global_tokens(
+        seq_len, sinks, **blocks
+    )
+
+
+# name -> (layout, options, balance, heads (q, kv), dtype, backend)
+CASES = {
+    "window+sinks causal": (
+        lambda: window_sinks(SEQ_LEN, 40, 16, block_size=32),
+        dict(causal=True),
+        "contiguous",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "causal headtail": (
+        lambda: patterns.causal(SEQ_LEN, block_size=32),
+        dict(causal=True),
+        "headtail",
+        (2, 1),
+        torch.float64,
+        "torch",
+    ),
+    "causal allgather": (
+        lambda: patterns.causal(SEQ_LEN, block_size=32),
+        dict(causal=True, collective="allgather"),
+        "headtail",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "bigbird auto": (
+        lambda: patterns.bigbird(SEQ_LEN, 40, 32, 1, seed=3, block_size=32),
+        {},
+        "auto",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "random two-sided window": (
+        lambda: patterns.random_blocks(SEQ_LEN, 2, seed=1, causal=False, block_size=32),
+        dict(window_size=(40, 10)),
+        "headtail",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "per-head layouts, GQA": (
+        lambda: patterns.stack(
+            [window_sinks(SEQ_LEN, 40, 16, block_size=32), patterns.causal(SEQ_LEN, block_size=32)]
+        ),
+        dict(causal=True),
+        "auto",
+        (4, 2),
+        torch.float64,
+        "torch",
+    ),
+    "per-batch top-k": (
+        lambda: patterns.topk(
+            torch.randn(2, 1, 5, 5, generator=torch.Generator().manual_seed(4)),
+            2,
+            seq_len_q=SEQ_LEN,
+            block_size=32,
+        ),
+        {},
+        "headtail",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "documents across shards": (
+        lambda: patterns.causal(SEQ_LEN, block_size=32),
+        dict(causal=True, documents=True),
+        "headtail",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "q16 kv32 window": (
+        lambda: window_sinks(SEQ_LEN, 40, 16, q_block=16, kv_block=32),
+        dict(causal=True),
+        "contiguous",
+        (2, 2),
+        torch.float64,
+        "torch",
+    ),
+    "triton window+sinks": (
+        lambda: window_sinks(SEQ_LEN, 40, 16, block_size=32),
+        dict(causal=True),
+        "headtail",
+        (2, 1),
+        torch.float32,
+        "triton",
+    ),
+    "triton dropout": (
+        lambda: patterns.causal(SEQ_LEN, block_size=32),
+        dict(causal=True, dropout_p=0.25),
+        "headtail",
+        (2, 2),
+        torch.float32,
+        "triton",
+    ),
+}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def _on_rank_zero(rank, compute):
+    """compute()'s tensors, computed by rank 0 alone and sent to every rank: the one-process
+    result each rank compares its shard with."""
+    results = [[t.detach() for t in compute()] if rank == 0 else None]
+    dist.broadcast_object_list(results, src=0)
+    return results[0]
+
+
+def _documents():
+    cu_seqlens = torch.tensor([0, 30, 41, 90, 120, SEQ_LEN], dtype=torch.int32)
+    return document_ids_of(cu_seqlens)[None]  # [1, S]
+
+
+def _check_case(name, rank, world_size):
+    build, options, balance, (heads_q, heads_kv), dtype, backend = CASES[name]
+    options = dict(options)
+    collective = options.pop("collective", "all_to_all")
+    layout = build()
+    batch = 2 if backend == "torch" else 1  # the interpreter is slow
+    if options.pop("documents", False):
+        options["document_ids"] = _documents().expand(batch, -1)
+    q, k, v = random_qkv(batch, SEQ_LEN, heads_q, 16, heads_kv=heads_kv, dtype=dtype, seed=7)
+    # Memory no row reads is never read: NaN there must not reach any result.
+    unread = torch.ones(layout.num_kv_blocks, dtype=torch.bool)
+    unread[layout.col_indices.long()] = False
+    unread_tokens = unread.repeat_interleave(layout.kv_block)[:SEQ_LEN]
+    k[:, unread_tokens], v[:, unread_tokens] = float("nan"), float("nan")
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=dtype)
+
+    def whole_sequence():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(11)  # the same dropout seed as the ranks'
+        out, lse = block_sparse_attn_func(
+            *inputs, layout, return_lse=True, backend=backend, **options
+        )
+        out.backward(grad_out)
+        return [out, lse, *(t.grad for t in inputs)]
+
+    out, lse, *grads = _on_rank_zero(rank, whole_sequence)
+
+    plan = cp_plan(layout, world_size, balance=balance)
+    index = plan.token_index(rank)
+    shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(11)
+    out_cp, lse_cp = block_sparse_attn_cp(
+        *shards, plan, return_lse=True, backend=backend, collective=collective, **options
+    )
+    out_cp.backward(grad_out[:, index])
+    failures = []
+    pairs = [("out", out_cp, out[:, index]), ("lse", lse_cp, lse[:, :, index])]
+    pairs += [(f"d{n}", s.grad, g[:, index]) for n, s, g in zip("qkv", shards, grads, strict=True)]
+    for what, actual, expected in pairs:
+        error = relative_error(actual, expected)
+        if not error <= TOLERANCE[dtype]:
+            failures.append(f"{name}: rank {rank} {what} relative error {error:.3g}")
+    return failures
+
+
+MSA_CASES = {"msa": dict(warmup=False), "msa warm-up": dict(warmup=True),
+             "msa documents": dict(warmup=False, documents=True),
+             "msa block documents": dict(warmup=False, documents=True,
+                                         granularity="block"),
+             "msa rows of one token": dict(warmup=False, documents=True, q_block=1),
+             "msa fp8 scores": dict(warmup=False, score_dtype=torch.float8_e4m3fn)}  # fmt: skip
+
+
+def _check_msa_case(name, rank, world_size):
+    """msa_func_cp's shards of out, the KL and every gradient against msa_func's (float32,
+    Triton interpreter; selections are equal: the scores are computed alike), per token
+    unless the case says granularity "block"; rows of one token (q_block 1) with the 16 query
+    heads of one proxy head a tile needs; FP8 scores quantize the rank's query rows and the
+    gathered keys as the whole sequence's."""
+    options = dict(MSA_CASES[name])
+    cu_seqlens = None
+    if options.pop("documents", False):
+        cu_seqlens = torch.tensor([0, 30, 41, 90, 120, SEQ_LEN], dtype=torch.int32)
+    q_block = options.pop("q_block", 16)
+    blocks = dict(q_block=q_block, kv_block=32, top_k=2)
+    generator = torch.Generator().manual_seed(5)
+    heads = dict(q_proxy=2, k_proxy=1, q=4, k=1, v=1)
+    if q_block == 1:
+        heads = dict(q_proxy=1, k_proxy=1, q=16, k=1, v=1)
+    whole = [torch.randn(1, SEQ_LEN, h, 16, generator=generator) for h in heads.values()]
+    grad_out = torch.randn(1, SEQ_LEN, heads["q"], 16, generator=generator)
+
+    def whole_sequence():
+        inputs = [t.clone().requires_grad_() for t in whole]
+        if cu_seqlens is None:
+            out, kl = msa_func(*inputs, **blocks, **options)
+        else:  # msa_func takes documents packed [T, H, D]
+            packed = [t[0] for t in inputs]
+            out, kl = msa_func(*packed, **blocks, cu_seqlens=cu_seqlens, **options)
+            out = out[None]
+        (out * grad_out).sum().add(kl).backward()
+        return [out, kl, *(t.grad for t in inputs)]
+
+    out, kl, *grads = _on_rank_zero(rank, whole_sequence)
+
+    layout = patterns.causal(SEQ_LEN, q_block=q_block, kv_block=32)
+    plan = cp_plan(layout, world_size, balance="headtail")
+    index = plan.token_index(rank)
+    shards = [t[:, index].clone().requires_grad_() for t in whole]
+    out_cp, kl_cp = msa_func_cp(*shards, plan, **blocks, cu_seqlens=cu_seqlens, **options)
+    (out_cp * grad_out[:, index]).sum().add(kl_cp).backward()
+    failures = []
+    pairs = [("out", out_cp, out[:, index]), ("kl", kl_cp, kl)]
+    pairs += [(f"d{n}", s.grad, g[:, index]) for n, s, g in zip(heads, shards, grads, strict=True)]
+    for what, actual, expected in pairs:
+        error = relative_error(actual, expected)
+        if not error <= 1e-5:
+            failures.append(f"{name}: rank {rank} {what} relative error {error:.3g}")
+    return failures
+
+
+# Every world size runs every float64 case; the Triton interpreter's cases (minutes on two
+# cores) run on 2 ranks, but MSA with documents and with FP8 scores, which run on 3.
+FLOAT64 = [name for name, case in CASES.items() if case[-1] == "torch"]
+ON_THREE_RANKS = ("msa documents", "msa fp8 scores")
+CASES_OF_WORLD = {
+    2: [*CASES, *(name for name in MSA_CASES if name not in ON_THREE_RANKS)],
+    3: [*FLOAT64, *ON_THREE_RANKS],
+    4: FLOAT64,
+}
+
+
+def _expect_error(name, rank, function, match):
+    try:
+        function()
+    except ValueError as error:
+        return [] if match in str(error) else [f"{name}: rank {rank}: wrong message {error}"]
+    except Exception:  # noqa: BLE001 - reported to the parent
+        return [f"{name}: rank {rank}: {traceback.format_exc()}"]
+    return [f"{name}: rank {rank}: no error"]
+
+
+def _bad_inputs(rank, world_size):
+    layout = window_sinks(SEQ_LEN, 40, 16, block_size=32)
+    plan = cp_plan(layout, world_size, balance="contiguous")
+    q, k, v = random_qkv(1, SEQ_LEN, 2, 16, dtype=torch.float64, seed=3)
+    index = plan.token_index(rank)
+    shards = [t[:, index] for t in (q, k, v)]
+    failures = []
+    # One rank's shards are short: every rank raises, naming it.
+    short = [t[:, :-1] if rank == 1 else t for t in shards]
+    failures += _expect_error(
+        "short shard", rank, lambda: block_sparse_attn_cp(*short, plan, backend="torch"),
+        "rank 1's shards do not match the plan",
+    )  # fmt: skip
+    # One rank's plan is of another layout.
+    other = cp_plan(patterns.causal(SEQ_LEN, block_size=32), world_size, balance="contiguous")
+    mixed = other if rank == world_size - 1 else plan
+    other_shards = [t[:, mixed.token_index(rank)] for t in (q, k, v)]
+    failures += _expect_error(
+        "other plan", rank, lambda: block_sparse_attn_cp(*other_shards, mixed, backend="torch"),
+        "plans differ",
+    )  # fmt: skip
+    # A plan for another world size.
+    wrong = cp_plan(layout, world_size + 1)
+    failures += _expect_error(
+        "world size", rank, lambda: block_sparse_attn_cp(*shards, wrong, backend="torch"),
+        f"built for world_size {world_size + 1}",
+    )  # fmt: skip
+    return failures
+
+
+def _layer_case(rank, world_size):
+    """FlashSparseAttention with cp_group on shards equals the layer on the whole sequence:
+    output rows, input gradients and (summed over ranks) weight gradients."""
+    options = dict(num_kv_heads=1, block_size=32, backend="torch", dtype=torch.float64)
+    torch.manual_seed(2)
+    pattern = lambda seq_len, **blocks: window_sinks(seq_len, 40, 16, **blocks)  # noqa: E731
+    whole = FlashSparseAttention(32, 2, pattern=pattern, **options)
+    sharded = FlashSparseAttention(32, 2, pattern=pattern, cp_group=dist.group.WORLD, **options)
+    sharded.load_state_dict(whole.state_dict())
+    x = torch.randn(2, SEQ_LEN, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weights = torch.randn(
+        2, SEQ_LEN, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
+
+    def whole_sequence():
+        inputs = x.clone().requires_grad_()
+        (whole(inputs) * weights).sum().backward()
+        return [whole(inputs).detach(), inputs.grad, *(p.grad for p in whole.parameters())]
+
+    out, grad_x, *grads = _on_rank_zero(rank, whole_sequence)
+    plan = sharded.cp_plan_for(SEQ_LEN, x.device)
+    index = plan.token_index(rank)
+    shard = x[:, index].clone().requires_grad_()
+    out_cp = sharded(shard, cp_plan=plan)
+    (out_cp * weights[:, index]).sum().backward()
+    pairs = [("layer out", out_cp, out[:, index]), ("layer dx", shard.grad, grad_x[:, index])]
+    for parameter, expected in zip(sharded.parameters(), grads, strict=True):
+        dist.all_reduce(parameter.grad)
+        pairs.append(("layer weight grad", parameter.grad, expected))
+    return [
+        f"{what}: rank {rank} relative error {error:.3g}"
+        for what, actual, expected in pairs
+        if not (error := relative_error(actual, expected)) <= TOLERANCE[torch.float64]
+    ]
+
+
+def _worker(rank, world_size, init_file, results):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    failures = []
+    for name in CASES_OF_WORLD[world_size]:
+        check = _check_msa_case if name in MSA_CASES else _check_case
+        try:
+            failures += check(name, rank, world_size)
+        except Exception:  # noqa: BLE001 - reported to the parent
+            failures.append(f"{name}: rank {rank}: {traceback.format_exc()}")
+    for check in (_layer_case, _bad_inputs):
+        try:
+            failures += check(rank, world_size)
+        except Exception:  # noqa: BLE001 - reported to the parent
+            failures.append(f"{check.__name__}: rank {rank}: {traceback.format_exc()}")
+    results[rank] = failures
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_context_parallel_matches_one_process(world_size, tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), results), nprocs=world_size)
+        failures = [line for rank in range(world_size) for line in results.get(rank, ["died"])]
+    assert not failures, "\n".join(failures)
