@@ -197,7 +197,9 @@ MSA_CASES = {"msa": dict(warmup=False), "msa warm-up": dict(warmup=True),
              "msa block documents": dict(warmup=False, documents=True,
                                          granularity="block"),
              "msa rows of one token": dict(warmup=False, documents=True, q_block=1),
-             "msa fp8 scores": dict(warmup=False, score_dtype=torch.float8_e4m3fn)}  # fmt: skip
+             "msa fp8 scores": dict(warmup=False, score_dtype=torch.float8_e4m3fn),
+             "msa block fp8 scores": dict(warmup=False, granularity="block",
+                                          score_dtype=torch.float8_e4m3fn)}  # fmt: skip
 
 
 def _check_msa_case(name, rank, world_size):

@@ -1,2 +1,0 @@
-"""Adapters to other frameworks, one module each, imported on their own (never by
-`import flash_msa`): flash_msa.integrations.transformers."""
