@@ -16,24 +16,18 @@ import argparse
 
 import bench_msa
 import torch
-from common import markdown_table, parse_length, results_dir, run_metadata, timed, write_report
+from common import (
+    markdown_table,
+    parse_length,
+    results_dir,
+    run_metadata,
+    selection_agreement,
+    timed,
+    write_report,
+)
 
 from flash_msa.msa import select_tokens
 from flash_msa.msa.fp8 import FP8, quantize_proxies
-
-
-def agreement(expected: torch.Tensor, actual: torch.Tensor, chunk: int = 1 << 16) -> float:
-    """Share of expected's kept blocks ([B, H_p, S, top_k], -1 padding) that actual's row
-    also holds, a chunk of tokens at a time."""
-    kept = shared = 0
-    for first in range(0, expected.shape[2], chunk):
-        rows = slice(first, first + chunk)
-        wanted, got = expected[:, :, rows], actual[:, :, rows]
-        real = wanted >= 0
-        found = (wanted[..., :, None] == got[..., None, :]).any(-1)  # [B, H_p, n, top_k]
-        kept += int(real.sum())
-        shared += int((found & real).sum())
-    return shared / max(kept, 1)
 
 
 def run_case(seq_len: int, proxies: str, device) -> dict:
@@ -55,7 +49,7 @@ def run_case(seq_len: int, proxies: str, device) -> dict:
     )
     record = dict(seq_len=seq_len, proxies=proxies)
     record.update({name: round(timed(step)["ms"], 3) for name, step in times.items()})
-    record["agreement"] = round(agreement(bf16, fp8), 5)
+    record["agreement"] = round(selection_agreement(bf16, fp8), 5)
     record["speed_up"] = round(record["bf16_ms"] / record["fp8_ms"], 2)
     print(record, flush=True)
     return record

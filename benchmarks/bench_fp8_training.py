@@ -24,11 +24,18 @@ import pathlib
 import tempfile
 
 import torch
-from common import markdown_table, parse_length, results_dir, run_metadata, write_report
+from common import (
+    markdown_table,
+    parse_length,
+    results_dir,
+    run_metadata,
+    selection_agreement,
+    write_report,
+)
 
-from flash_msa import patterns
-from flash_msa.msa import block_scores, select_tokens
+from flash_msa.msa import select_tokens
 from flash_msa.msa.fp8 import FP8
+from flash_msa.msa.interface import select
 from flash_msa.niah.model import NeedleLM, init_parameters
 from flash_msa.niah.suite import build_configs
 from flash_msa.niah.tasks import training_batch
@@ -36,18 +43,11 @@ from flash_msa.niah.train import train
 
 SMOOTHING = 25  # steps per moving average of the KL curves
 HELD_OUT_SAMPLES = 4
+HELD_OUT_STEP = 10**6  # the data of a step no run trains on
 SCORE_DTYPES = {"bf16": None, "fp8": FP8}
 
 
-def token_agreement(expected: torch.Tensor, actual: torch.Tensor) -> tuple[int, int]:
-    """(kept, shared): expected's kept blocks ([B, H_p, S, top_k], -1 padding) and those
-    actual's row also holds."""
-    real = expected >= 0
-    found = (expected[..., :, None] == actual[..., None, :]).any(-1)
-    return int(real.sum()), int((found & real).sum())
-
-
-def selection_agreement(model: NeedleLM, tokens: torch.Tensor) -> float:
+def trained_agreement(model: NeedleLM, tokens: torch.Tensor) -> float:
     """Share of the bf16 selection's choices the FP8 one also makes, over every layer's
     proxies on tokens [B, S] (the model's selections under its own forward)."""
     config = model.config
@@ -61,15 +61,14 @@ def selection_agreement(model: NeedleLM, tokens: torch.Tensor) -> float:
                                   score_dtype=dtype)
                     for dtype in SCORE_DTYPES.values()
                 )  # fmt: skip
-                kept, shared = token_agreement(bf16, fp8)
-            else:
+                kept = int((bf16 >= 0).sum())
+                shared = selection_agreement(bf16, fp8) * kept
+            else:  # msa_func's own per-query-block selection
                 bf16, fp8 = (
-                    patterns.topk(
-                        block_scores(q_proxy, k_proxy, q_block=config.q_block,
-                                     kv_block=config.kv_block, score_dtype=dtype),
-                        config.top_k, seq_len_q=q_proxy.shape[1], q_block=config.q_block,
-                        kv_block=config.kv_block, fixed_counts=True,
-                    )
+                    select(q_proxy, k_proxy, top_k=config.top_k, q_block=config.q_block,
+                           kv_block=config.kv_block, proxy_softmax_scale=1.0,
+                           granularity="block", warmup=False, document_ids=None,
+                           cu_seqlens=None, score_dtype=dtype).layout
                     for dtype in SCORE_DTYPES.values()
                 )  # fmt: skip
                 kept, shared = bf16.nnz, (bf16 & fp8).nnz
@@ -121,8 +120,8 @@ def run(granularity: str, scores: str, seed: int, args, device) -> dict:
         kl_curve=[round(row[3], 5) for row in sparse],
     )  # fmt: skip
     if scores == "bf16" and seed == args.seed:
-        batch = training_batch(10**6, args.train_len, HELD_OUT_SAMPLES, needles, seed)
-        record["agreement"] = round(selection_agreement(model, batch.tokens.to(device)), 5)
+        batch = training_batch(HELD_OUT_STEP, args.train_len, HELD_OUT_SAMPLES, needles, seed)
+        record["agreement"] = round(trained_agreement(model, batch.tokens.to(device)), 5)
     print({key: value for key, value in record.items() if key != "kl_curve"}, flush=True)
     return record
 

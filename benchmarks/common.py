@@ -91,6 +91,20 @@ random_inputs = functools.partial(bench.random_inputs, head_dim=HEAD_DIM, dtype=
 # ---- peers ---------------------------------------------------------------------------
 
 
+def selection_agreement(expected: torch.Tensor, actual: torch.Tensor, chunk: int = 1 << 16):
+    """Share of expected's kept blocks (select_tokens' [B, H_p, S, top_k], -1 padding) that
+    actual's row also holds, a chunk of tokens at a time; a float in [0, 1]."""
+    kept = shared = 0
+    for first in range(0, expected.shape[2], chunk):
+        rows = slice(first, first + chunk)
+        wanted, got = expected[:, :, rows], actual[:, :, rows]
+        real = wanted >= 0
+        found = (wanted[..., :, None] == got[..., None, :]).any(-1)  # [B, H_p, n, top_k]
+        kept += int(real.sum())
+        shared += int((found & real).sum())
+    return shared / max(kept, 1)
+
+
 def failed_cell(record: dict) -> str:
     """A report cell for a record that holds a failure (the full text is in the JSON)."""
     return f"failed: {record['error'][:80]}"
