@@ -39,14 +39,16 @@ LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 
 
 @triton.jit
-def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
-    """bool [M, N]: key col is causal for query row, both inside the sequence and, with
-    documents (int32 [S] of this batch row), in the same document."""
-    visible = (cols[None, :] <= rows[:, None]) & (rows[:, None] < seq_len)
+def _visible(cols, rows, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
+    """bool [N, M]: key col is causal for query row, both inside the sequence and, with
+    documents (int32 [S] of this batch row), in the same document. The KL's tiles hold keys
+    as rows and queries as columns: the teacher's products [N, M] then run on wgmma for
+    query blocks of 16 rows (M = 16 is the tile's N)."""
+    visible = (cols[:, None] <= rows[None, :]) & (rows[None, :] < seq_len)
     if HAS_DOCUMENTS:
         doc_rows = tl.load(documents + rows, mask=rows < seq_len, other=-1)
         doc_cols = tl.load(documents + cols, mask=cols < seq_len, other=-2)
-        visible &= doc_rows[:, None] == doc_cols[None, :]
+        visible &= doc_cols[:, None] == doc_rows[None, :]
     return visible
 
 
@@ -84,14 +86,14 @@ def _load_rows(
 def _teacher(
     q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
     group, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_COLUMNS: tl.constexpr,
     GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """t [M, N] fp32: the main attention probabilities averaged over the group's query heads
+    """t [N, M] fp32: the main attention probabilities averaged over the group's query heads
     (q_group, lse_group point at the group's first head), 0 where not visible; rows are any
-    query rows (M >= 16). HEADS_AS_ROWS: rows is one token (M = 1), whose group's heads
-    make the rows of the tile."""
-    if HEADS_AS_ROWS:
+    query rows (M >= 16). HEADS_AS_COLUMNS: rows is one token (M = 1), whose group's heads
+    make the columns of the products."""
+    if HEADS_AS_COLUMNS:
         row = tl.max(rows, axis=0)  # the token
         heads = tl.arange(0, GROUP_PAD)  # [G_PAD]
         valid = (heads < group) & (row < seq_len)  # [G_PAD]
@@ -100,9 +102,9 @@ def _teacher(
             HEAD_DIM_PAD,
         )  # fmt: skip  # [G_PAD, D_PAD]
         lse = tl.load(lse_group + heads * stride_lse_h + row, mask=valid, other=0.0)
-        logits = tl.dot(q_heads, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
-        probs = tl.where(valid[:, None], tl.exp2(logits - lse[:, None] * LOG2_E), 0.0)
-        teacher = tl.sum(probs, axis=0)[None, :]  # [1, N]
+        logits = tl.dot(k_tile, tl.trans(q_heads), input_precision=DOT_PRECISION) * qk_scale_log2
+        probs = tl.where(valid[None, :], tl.exp2(logits - lse[None, :] * LOG2_E), 0.0)
+        teacher = tl.sum(probs, axis=1)[:, None]  # [N, 1]
     else:
         teacher = tl.zeros(visible.shape, tl.float32)
         for head in range(group):
@@ -110,30 +112,30 @@ def _teacher(
                 q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
             )
             lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
-            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
-            teacher += tl.exp2(logits - lse[:, None] * LOG2_E)
+            logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+            teacher += tl.exp2(logits - lse[None, :] * LOG2_E)  # [N, M]
     return tl.where(visible, teacher / group, 0.0)
 
 
 @triton.jit
 def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
-    """z [M, N] fp32, the scaled proxy logits; -inf where not visible."""
+    """z [N, M] fp32, the scaled proxy logits; -inf where not visible."""
     if qp_tile.shape[0] >= 16:
-        logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION)
+        logits = tl.dot(kp_tile, tl.trans(qp_tile), input_precision=DOT_PRECISION)
     else:  # a query block of one token
-        logits = tl.sum(qp_tile.to(tl.float32)[:, None, :] * kp_tile.to(tl.float32)[None, :, :], 2)
+        logits = tl.sum(kp_tile.to(tl.float32)[:, None, :] * qp_tile.to(tl.float32)[None, :, :], 2)
     logits *= proxy_scale
     return tl.where(visible, logits, float("-inf"))
 
 
 @triton.jit
 def _online_lse(running_max, running_sum, logits):
-    """The running (max, sum of exp(z - max)) of rows [M] after the logits [M, N] (-inf where
-    not visible)."""
-    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    """The running (max, sum of exp(z - max)) of query rows [M] after the logits [N, M] (-inf
+    where not visible)."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=0))
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
     running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
-        tl.exp(logits - safe_max[:, None]), axis=1
+        tl.exp(logits - safe_max[None, :]), axis=0
     )
     return new_max, running_sum
 
@@ -184,23 +186,23 @@ def _kl_rows_kernel(
     if GRAD:  # the student's lse first: the gradient needs it in the walk below
         for entry in range(start, end):
             cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+            visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
             if HAS_QUERY_MASKS:
-                visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
+                visible &= _selected(query_masks, entry, Q_BLOCK)[None, :]
             kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         seen = running_sum > 0
         lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
-        grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
+        grad_q = tl.zeros((PROXY_DIM_PAD, Q_BLOCK), tl.float32)  # [D_p, M], transposed
         coefficient = tl.load(grad_scale)
     cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
     teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-        visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
+        visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
         if HAS_QUERY_MASKS:
-            visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
+            visible &= _selected(query_masks, entry, Q_BLOCK)[None, :]
         kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
         k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
         logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
@@ -210,19 +212,20 @@ def _kl_rows_kernel(
             DOT_PRECISION,
         )  # fmt: skip
         if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
-            student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
-            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [M, N]
+            student = tl.exp(logits - lse_p[None, :])  # 0 where not visible
+            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [N, M]
             if Q_BLOCK >= 16:
-                grad_q = tl.dot(grad_logits, kp_tile, grad_q, input_precision=DOT_PRECISION)
-            else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
-                grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
-                                 * kp_tile.to(tl.float32)[None, :, :], 1)  # fmt: skip
+                grad_q = tl.dot(tl.trans(kp_tile), grad_logits, grad_q,
+                                input_precision=DOT_PRECISION)  # fmt: skip
+            else:  # a query block of one token: [D_p, N] x [N, 1] as a broadcast sum
+                grad_q += tl.sum(kp_tile.to(tl.float32)[:, :, None]
+                                 * grad_logits.to(tl.float32)[:, None, :], 0)  # fmt: skip
         else:
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
         log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
-        cross += tl.sum(tl.where(used, teacher * log_ratio, 0.0), axis=1)
-        teacher_sum += tl.sum(teacher, axis=1)
+        cross += tl.sum(tl.where(used, teacher * log_ratio, 0.0), axis=0)
+        teacher_sum += tl.sum(teacher, axis=0)
     seen = running_sum > 0
     lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf"))
     kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
@@ -231,9 +234,9 @@ def _kl_rows_kernel(
     if GRAD:
         dims = tl.arange(0, PROXY_DIM_PAD)
         pointers = (grad_q_proxy + batch * stride_qp_b + head * stride_qp_h
-                    + rows.to(tl.int64)[:, None] * stride_qp_s + dims[None, :])  # fmt: skip
+                    + rows.to(tl.int64)[None, :] * stride_qp_s + dims[:, None])  # fmt: skip
         tl.store(pointers, (grad_q * proxy_scale).to(grad_q_proxy.dtype.element_ty),
-                 mask=(rows[:, None] < query_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
+                 mask=(rows[None, :] < query_len) & (dims[:, None] < PROXY_DIM))  # fmt: skip
 
 
 @triton.jit
@@ -253,7 +256,7 @@ def _kl_dk_proxy_kernel(
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
     key head, walks the query blocks that selected the kv block, ENTRIES of them at a time,
-    their rows gathered into one [ENTRIES * Q_BLOCK, KV_BLOCK] tile; writes d kl_loss /
+    their rows gathered into one [KV_BLOCK, ENTRIES * Q_BLOCK] tile; writes d kl_loss /
     d k_proxy [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as
     in _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned
     with t_col_indices)."""
@@ -288,11 +291,11 @@ def _kl_dk_proxy_kernel(
             positions = rows
             if HAS_Q_BLOCKS:
                 positions = tl.load(q_blocks + q_block, mask=live, other=0) * Q_BLOCK + offsets
-            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
-            visible &= live[:, None]
+            visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
+            visible &= live[None, :]
             if HAS_QUERY_MASKS:
                 words = tl.load(query_masks + entries, mask=live, other=0)  # [M]
-                visible &= (((words >> offsets.to(tl.int64)) & 1) != 0)[:, None]
+                visible &= (((words >> offsets.to(tl.int64)) & 1) != 0)[None, :]
             qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             teacher = _teacher(
@@ -304,9 +307,9 @@ def _kl_dk_proxy_kernel(
             lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)  # [M]
             # Rows of a gathered tile past the column's end, and rows that see no key (lse
             # -inf, with query masks), read no key: their student is 0, not exp(-inf - -inf).
-            student = tl.where(visible, tl.exp(logits - lse_p[:, None]), 0.0)
-            grad_logits = (student - teacher) * coefficient  # [M, N]
-            grad_k = tl.dot(tl.trans(grad_logits.to(qp_tile.dtype)), qp_tile, grad_k,
+            student = tl.where(visible, tl.exp(logits - lse_p[None, :]), 0.0)
+            grad_logits = (student - teacher) * coefficient  # [N, M]
+            grad_k = tl.dot(grad_logits.to(qp_tile.dtype), qp_tile, grad_k,
                             input_precision=DOT_PRECISION)  # fmt: skip
     dims = tl.arange(0, PROXY_DIM_PAD)
     pointers = (grad_k_proxy + batch * stride_kp_b + key_head * stride_kp_h
@@ -328,6 +331,13 @@ def num_warps(kernel: str, q_block: int) -> int:
     if kernel == "rows":
         return 8 if q_block == 1 else 4
     return 8 if dk_proxy_entries(q_block) * q_block >= 64 else 4
+
+
+def num_stages(kernel: str, q_block: int) -> int:
+    """Software-pipelining stages of a KL program ("rows" or "dk_proxy"): with 2 or more
+    Triton loads the next kv block's tiles (or the next head's query rows) while it computes
+    on this one."""
+    return 2
 
 
 def _kernel_arguments(
@@ -356,7 +366,6 @@ def _kernel_arguments(
         GROUP_PAD=max(16, triton.next_power_of_2(heads_q // heads_proxy)),  # tl.dot's rows
         HAS_DOCUMENTS=has_documents, HAS_Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION=_env.dot_precision(q.dtype),
-        num_stages=1,
     )  # fmt: skip
 
 
@@ -405,7 +414,8 @@ def _kl_forward(
         row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
         lse_proxy=lse_proxy, kl_rows=kl_rows, grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
         num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse),
-        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **arguments,
+        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block),
+        num_stages=num_stages("rows", layout.q_block), **arguments,
     )  # fmt: skip
     return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
 
@@ -459,7 +469,7 @@ def _kl_backward(
         lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
         heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
         **query_mask_arguments(masks, "csc", lse), num_warps=num_warps("dk_proxy", layout.q_block),
-        **arguments,
+        num_stages=num_stages("dk_proxy", layout.q_block), **arguments,
     )  # fmt: skip
     return grad_k_proxy
 

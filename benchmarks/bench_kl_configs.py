@@ -1,17 +1,20 @@
-"""The MSA KL kernels at 4 and 8 warps on bench_msa's inputs (128K tokens, H_q 64, H_p 4,
-D 128, top_k 16): forward without a gradient, forward with the q_proxy gradient (the rows
-kernel), and the k_proxy backward (dk_proxy), per selection, and for query blocks of 2 to 32
-rows with dk_proxy gathering 1, 2 or 4 of them a step; medians of 3 timed calls.
+"""The MSA KL kernels at 4 and 8 warps and 1 to 3 pipelining stages on bench_msa's inputs
+(128K tokens, H_q 64, H_p 4, D 128, top_k 16): forward without a gradient, forward with the
+q_proxy gradient (the rows kernel), and the k_proxy backward (dk_proxy), per selection, and
+for query blocks of 2 to 32 rows with dk_proxy gathering 1, 2 or 4 of them a step (with
+--entries); medians of 3 timed calls.
 
-    python3 benchmarks/bench_kl_warps.py [--seq-len 128k] [--proxies local,random]
+    python3 benchmarks/bench_kl_configs.py [--seq-len 128k] [--proxies local,random]
+        [--q-blocks 1,16,64] [--warps 4,8] [--stages 1,2,3] [--entries]
 
-flash_msa.msa.kl.num_warps and dk_proxy_entries hold the faster choices.
+flash_msa.msa.kl.num_warps, num_stages and dk_proxy_entries hold the faster choices.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 from unittest import mock
 
 import bench_msa
@@ -39,18 +42,19 @@ def median_ms(function, repeats: int = 3) -> float:
     return sorted(times)[repeats // 2]
 
 
-def entry_choices(q_block: int) -> list[int]:
-    """Query blocks per dk_proxy step to time: 1, 2 and 4 for blocks of 2 to 32 rows, else
-    kl.dk_proxy_entries' own."""
-    return [1, 2, 4] if 1 < q_block < 64 else [kl.dk_proxy_entries(q_block)]
+def entry_choices(q_block: int, every: bool) -> list[int]:
+    """Query blocks per dk_proxy step to time: with `every`, 1, 2 and 4 for blocks of 2 to 32
+    rows, else kl.dk_proxy_entries' own."""
+    return [1, 2, 4] if every and 1 < q_block < 64 else [kl.dk_proxy_entries(q_block)]
 
 
-def time_kl(loss, warps: int, entries: int) -> tuple[float, float, float]:
+def time_kl(loss, warps: int, stages: int, entries: int) -> tuple[float, float, float]:
     """(forward without a gradient, forward with the q_proxy gradient, forward + backward) ms
-    of loss() with every KL program at `warps` warps and dk_proxy gathering `entries` query
-    blocks a step."""
+    of loss() with every KL program at `warps` warps and `stages` stages and dk_proxy
+    gathering `entries` query blocks a step."""
     with (
         mock.patch.object(kl, "num_warps", lambda kernel, q_block: warps),
+        mock.patch.object(kl, "num_stages", lambda kernel, q_block: stages),
         mock.patch.object(kl, "dk_proxy_entries", lambda q_block: entries),
     ):
         with torch.no_grad():
@@ -64,14 +68,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=parse_length, default=parse_length("128k"))
     parser.add_argument("--proxies", default=",".join(CASES))
+    parser.add_argument("--q-blocks", default="1,16,64", help="the cases' query blocks to run")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--entries", action="store_true",
+                        help="time dk_proxy gathering 1, 2 and 4 query blocks of 2 to 32 rows")
     args = parser.parse_args()
+    q_blocks, warp_choices, stage_choices = (
+        [int(value) for value in text.split(",")]
+        for text in (args.q_blocks, args.warps, args.stages)
+    )
     seq_len = args.seq_len
     device, scale = torch.device("cuda"), bench_msa.HEAD_DIM**-0.5
-    print("| proxies | granularity | q_block | warps | dk_proxy entries | forward ms "
+    print("| proxies | granularity | q_block | warps | stages | dk_proxy entries | forward ms "
           "| forward + dq_proxy ms | dk_proxy ms | total ms |\n"
-          "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for proxies in args.proxies.split(","):
-        cases = CASES[proxies]
+        cases = [case for case in CASES[proxies] if case[1] in q_blocks]
         inputs = bench_msa.random_inputs(seq_len, device, proxies)
         q_proxy, k_proxy, q, k, v = (inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v"))
         for granularity, q_block in cases:
@@ -89,12 +102,13 @@ def main() -> None:
                 proxy_kl_loss, q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
                 proxy_softmax_scale=scale, query_masks=masks,
             )  # fmt: skip
-            for warps in (4, 8):
-                for entries in entry_choices(q_block):
-                    forward, with_grad, total = time_kl(loss, warps, entries)
-                    print(f"| {proxies} | {granularity} | {q_block} | {warps} | {entries} | "
-                          f"{forward:.1f} | {with_grad:.1f} | {total - with_grad:.1f} | "
-                          f"{total:.1f} |", flush=True)  # fmt: skip
+            configs = itertools.product(warp_choices, stage_choices,
+                                        entry_choices(q_block, args.entries))  # fmt: skip
+            for warps, stages, entries in configs:
+                forward, with_grad, total = time_kl(loss, warps, stages, entries)
+                print(f"| {proxies} | {granularity} | {q_block} | {warps} | {stages} | {entries} "
+                      f"| {forward:.1f} | {with_grad:.1f} | {total - with_grad:.1f} | "
+                      f"{total:.1f} |", flush=True)  # fmt: skip
             q_proxy.grad = k_proxy.grad = None
 
 
