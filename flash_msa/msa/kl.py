@@ -194,7 +194,7 @@ def _kl_rows_kernel(
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         seen = running_sum > 0
         lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
-        grad_q = tl.zeros((PROXY_DIM_PAD, Q_BLOCK), tl.float32)  # [D_p, M], transposed
+        grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
         coefficient = tl.load(grad_scale)
     cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
     teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
@@ -215,11 +215,11 @@ def _kl_rows_kernel(
             student = tl.exp(logits - lse_p[None, :])  # 0 where not visible
             grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [N, M]
             if Q_BLOCK >= 16:
-                grad_q = tl.dot(tl.trans(kp_tile), grad_logits, grad_q,
+                grad_q = tl.dot(tl.trans(grad_logits), kp_tile, grad_q,
                                 input_precision=DOT_PRECISION)  # fmt: skip
-            else:  # a query block of one token: [D_p, N] x [N, 1] as a broadcast sum
-                grad_q += tl.sum(kp_tile.to(tl.float32)[:, :, None]
-                                 * grad_logits.to(tl.float32)[:, None, :], 0)  # fmt: skip
+            else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
+                grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
+                                 * kp_tile.to(tl.float32)[:, None, :], 0)  # fmt: skip
         else:
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
@@ -234,9 +234,9 @@ def _kl_rows_kernel(
     if GRAD:
         dims = tl.arange(0, PROXY_DIM_PAD)
         pointers = (grad_q_proxy + batch * stride_qp_b + head * stride_qp_h
-                    + rows.to(tl.int64)[None, :] * stride_qp_s + dims[:, None])  # fmt: skip
+                    + rows.to(tl.int64)[:, None] * stride_qp_s + dims[None, :])  # fmt: skip
         tl.store(pointers, (grad_q * proxy_scale).to(grad_q_proxy.dtype.element_ty),
-                 mask=(rows[None, :] < query_len) & (dims[:, None] < PROXY_DIM))  # fmt: skip
+                 mask=(rows[:, None] < query_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
 
 
 @triton.jit
