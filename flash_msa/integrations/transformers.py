@@ -240,7 +240,13 @@ def layout_for(config, layer_idx: int | None, seq_len: int, device=None) -> Bloc
     Returns:
         A BlockLayout over seq_len tokens.
     """
-    device = torch.device("cpu") if device is None else torch.device(device)
+    try:
+        device = torch.device("cpu") if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"device must be a torch.device or a string such as 'cpu' or 'cuda:0', got "
+            f"{device!r} ({error})"
+        ) from None
     return _layout(_spec_key(_spec_of(config, layer_idx)), seq_len, device)
 
 

@@ -398,6 +398,8 @@ def training_batch(step: int, length: int, batch_size: int, config: NeedleConfig
     Returns:
         A Batch on the CPU.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     rng = np.random.Generator(np.random.PCG64(seed_of(seed, "train", step)))
     samples = []
     for _ in range(batch_size):

@@ -161,6 +161,7 @@ def test_collate_refuses_mixed_lengths():
         (lambda rng: NeedleConfig(recall_spacing=8), "recall_spacing 8 cannot hold"),
         (lambda rng: NeedleConfig(recall_multivalue=2.0), "recall_multivalue must be"),
         (lambda rng: NeedleConfig(phrase_len=0), "phrase_len must be a positive int"),
+        (lambda rng: training_batch(0, 256, 0, CONFIG, 0), "batch_size must be a positive int"),
     ],
 )
 def test_bad_arguments(call, match):
