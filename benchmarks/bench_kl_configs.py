@@ -24,7 +24,7 @@ from flash_msa import block_sparse_attn_func
 from flash_msa.bench import parse_length
 from flash_msa.msa import kl, proxy_kl_loss
 
-CASES = {"local": [("token", 1), ("token", 16), ("block", 64)],
+CASES = {"local": [("token", 1), ("token", 4), ("token", 8), ("token", 16), ("block", 64)],
          "random": [("token", 1), ("block", 64)]}  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 BLOCK_SIZES = (16, 32, 64, 128)
 # A layout may also hold rows (or, transposed, columns) of one token: per-token selections.
-LAYOUT_BLOCK_SIZES = (1, *BLOCK_SIZES)
+LAYOUT_BLOCK_SIZES = (1, 2, 4, 8, *BLOCK_SIZES)
 DENSE_LIMIT = 1 << 28  # elements of to_dense() before it refuses (256 MiB of bool)
 
 

@@ -91,7 +91,7 @@ def _teacher(
 ):  # fmt: skip
     """t [N, M] fp32: the main attention probabilities averaged over the group's query heads
     (q_group, lse_group point at the group's first head), 0 where not visible; rows are any
-    query rows (M >= 16). HEADS_AS_COLUMNS: rows is one token (M = 1), whose group's heads
+    query rows (M >= 2). HEADS_AS_COLUMNS: rows is one token (M = 1), whose group's heads
     make the columns of the products."""
     if HEADS_AS_COLUMNS:
         row = tl.max(rows, axis=0)  # the token
@@ -120,7 +120,7 @@ def _teacher(
 @triton.jit
 def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
     """z [N, M] fp32, the scaled proxy logits; -inf where not visible."""
-    if qp_tile.shape[0] >= 16:
+    if qp_tile.shape[0] > 1:  # tl.dot pads small tiles on tensor cores
         logits = tl.dot(kp_tile, tl.trans(qp_tile), input_precision=DOT_PRECISION)
     else:  # a query block of one token
         logits = tl.sum(kp_tile.to(tl.float32)[:, None, :] * qp_tile.to(tl.float32)[None, :, :], 2)
@@ -214,7 +214,7 @@ def _kl_rows_kernel(
         if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
             student = tl.exp(logits - lse_p[None, :])  # 0 where not visible
             grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [N, M]
-            if Q_BLOCK >= 16:
+            if Q_BLOCK > 1:
                 grad_q = tl.dot(tl.trans(grad_logits), kp_tile, grad_q,
                                 input_precision=DOT_PRECISION)  # fmt: skip
             else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
@@ -329,7 +329,7 @@ def num_warps(kernel: str, q_block: int) -> int:
     tokens (docs/performance.md): rows of one token take 8, other rows 4; dk_proxy 8 for
     gathered tiles of 64 rows or more, else 4."""
     if kernel == "rows":
-        return 8 if q_block == 1 else 4
+        return 8 if q_block < 64 else 4
     return 8 if dk_proxy_entries(q_block) * q_block >= 64 else 4
 
 

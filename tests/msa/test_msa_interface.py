@@ -94,6 +94,9 @@ CASES = {
     "topk-beyond-blocks": (1, 80, (2, 2, 2, 1), 16, 16, 16, 16, 100),
     # q_block 1: a layout row per token, its tiles the 16 query heads of its proxy head
     "token-rows": (1, 70, (16, 1, 1, 1), 16, 16, 1, 32, 2),
+    # q_block 8: tiles of 8 tokens x 2 heads, and 4 tokens x 4 heads
+    "eight-token-rows": (1, 75, (4, 2, 2, 1), 16, 16, 8, 32, 2),
+    "four-token-rows": (1, 75, (8, 1, 2, 1), 16, 16, 4, 16, 3),
 }
 
 
