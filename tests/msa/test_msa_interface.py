@@ -214,14 +214,15 @@ def test_fp8_scores_run_the_step_over_the_same_selection(granularity):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_block", [None, 8, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_msa_func_half_precision_on_gpu(dtype):
-    """MSA's shapes (q_block 64, kv_block 128, 16 query heads per proxy head, D = D_p = 128):
-    out, kl_loss and the proxy gradients within a few half-precision ulps of float64,
-    relative to the size of each."""
+def test_msa_func_half_precision_on_gpu(dtype, q_block):
+    """MSA's shapes (kv_block 128, 16 query heads per proxy head, D = D_p = 128; per-token
+    tiles of the default 16 tokens, 8 and 4): out, kl_loss and the proxy gradients within a
+    few half-precision ulps of float64, relative to the size of each."""
     tensors = _inputs(1, 1000, (16, 1, 1, 1), 128, 128, dtype=dtype, seed=4)
     grad_out = torch.randn(1, 1000, 16, 128, generator=torch.Generator().manual_seed(6))
-    out, kl_loss = msa_func(*tensors, top_k=4)
+    out, kl_loss = msa_func(*tensors, top_k=4, q_block=q_block)
     exact = [t.detach().cpu().double().requires_grad_() for t in tensors]
     expected, expected_kl, _ = msa_reference(*exact, top_k=4, q_block=64, kv_block=128)
     tolerance = 2 * 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
