@@ -129,15 +129,25 @@ def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _online_lse(running_max, running_sum, logits):
-    """The running (max, sum of exp(z - max)) of query rows [M] after the logits [N, M] (-inf
-    where not visible)."""
-    new_max = tl.maximum(running_max, tl.max(logits, axis=0))
+def _online_lse(slot_max, slot_sum, logits):
+    """The running (max, sum of exp(z - max)) of each slot [N, M] of a walk's tiles after the
+    logits [N, M] (-inf where not visible). Elementwise: the sum over keys, across the warps
+    that hold a tile's rows, happens once, at the walk's end (_lse_of_slots)."""
+    new_max = tl.maximum(slot_max, logits)
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
-        tl.exp(logits - safe_max[None, :]), axis=0
-    )
-    return new_max, running_sum
+    slot_sum = slot_sum * tl.exp(slot_max - safe_max) + tl.exp(logits - safe_max)
+    return new_max, slot_sum
+
+
+@triton.jit
+def _lse_of_slots(slot_max, slot_sum, unseen):
+    """The log-sum-exp [M] of each query over the slots [N, M] of _online_lse; `unseen` for
+    a query that saw no key."""
+    row_max = tl.max(slot_max, axis=0)
+    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    total = tl.sum(slot_sum * tl.exp(slot_max - safe_max[None, :]), axis=0)
+    seen = total > 0
+    return tl.where(seen, row_max + tl.log(tl.where(seen, total, 1.0)), unseen)
 
 
 @triton.jit
@@ -181,8 +191,8 @@ def _kl_rows_kernel(
     layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
-    running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((Q_BLOCK,), tl.float32)
+    slot_max = tl.full((KV_BLOCK, Q_BLOCK), float("-inf"), tl.float32)
+    slot_sum = tl.zeros((KV_BLOCK, Q_BLOCK), tl.float32)
     if GRAD:  # the student's lse first: the gradient needs it in the walk below
         for entry in range(start, end):
             cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
@@ -191,13 +201,12 @@ def _kl_rows_kernel(
                 visible &= _selected(query_masks, entry, Q_BLOCK)[None, :]
             kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
-            running_max, running_sum = _online_lse(running_max, running_sum, logits)
-        seen = running_sum > 0
-        lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
+            slot_max, slot_sum = _online_lse(slot_max, slot_sum, logits)
+        lse_p = _lse_of_slots(slot_max, slot_sum, float("inf"))
         grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
         coefficient = tl.load(grad_scale)
-    cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
-    teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
+    cross = tl.zeros((KV_BLOCK, Q_BLOCK), tl.float32)  # per slot: the sum of t (log t - z)
+    teacher_sum = tl.zeros((KV_BLOCK, Q_BLOCK), tl.float32)  # [N, M]
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
         visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
@@ -221,14 +230,14 @@ def _kl_rows_kernel(
                 grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
                                  * kp_tile.to(tl.float32)[:, None, :], 0)  # fmt: skip
         else:
-            running_max, running_sum = _online_lse(running_max, running_sum, logits)
+            slot_max, slot_sum = _online_lse(slot_max, slot_sum, logits)
         used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
         log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
-        cross += tl.sum(tl.where(used, teacher * log_ratio, 0.0), axis=0)
-        teacher_sum += tl.sum(teacher, axis=0)
-    seen = running_sum > 0
-    lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf"))
-    kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
+        cross += tl.where(used, teacher * log_ratio, 0.0)
+        teacher_sum += teacher
+    lse_p = _lse_of_slots(slot_max, slot_sum, float("-inf"))
+    cross_rows, teacher_rows = tl.sum(cross, axis=0), tl.sum(teacher_sum, axis=0)  # [M]
+    kl = tl.where(teacher_rows > 0, cross_rows + lse_p * teacher_rows, 0.0)
     tl.store(lse_proxy + row_stats, lse_p, mask=rows < query_len)
     tl.store(kl_rows + row_stats, kl, mask=rows < query_len)
     if GRAD:
