@@ -58,7 +58,8 @@ def test_attributes_of_a_small_layout():
             ValueError,
             "unique within each row: head 0, row 1 has 1 after 1",
         ),
-        ([[0, 1, 2]], [0, 1], {"q_block": 48}, ValueError, r"q_block must be one of \(1, 16, 32"),
+        ([[0, 1, 2]], [0, 1], {"q_block": 48}, ValueError,
+         r"q_block must be one of \(1, 2, 4, 8, 16, 32"),
         ([[0, 1, 2]], [0, 1], {"seq_len_q": 0}, ValueError, "seq_len_q must be a positive int"),
     ],
 )

@@ -39,16 +39,29 @@ LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 
 
 @triton.jit
-def _visible(cols, rows, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
-    """bool [N, M]: key col is causal for query row, both inside the sequence and, with
-    documents (int32 [S] of this batch row), in the same document. The KL's tiles hold keys
-    as rows and queries as columns: the teacher's products [N, M] then run on wgmma for
-    query blocks of 16 rows (M = 16 is the tile's N)."""
-    visible = (cols[:, None] <= rows[None, :]) & (rows[None, :] < seq_len)
+def _tile(queries, keys, KEYS_AS_ROWS: tl.constexpr):
+    """queries [M] and keys [N] broadcast to a tile: [M, N] with queries as its rows (the rows
+    kernel), [N, M] with KEYS_AS_ROWS (dk_proxy, whose gradient is then a product of the tile
+    as it stands)."""
+    if KEYS_AS_ROWS:
+        query_tile, key_tile = queries[None, :], keys[:, None]
+    else:
+        query_tile, key_tile = queries[:, None], keys[None, :]
+    return query_tile, key_tile
+
+
+@triton.jit
+def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr,
+             KEYS_AS_ROWS: tl.constexpr):  # fmt: skip
+    """bool tile (see _tile): key col is causal for query row, both inside the sequence and,
+    with documents (int32 [S] of this batch row), in the same document."""
+    queries, keys = _tile(rows, cols, KEYS_AS_ROWS)
+    visible = (keys <= queries) & (queries < seq_len)
     if HAS_DOCUMENTS:
         doc_rows = tl.load(documents + rows, mask=rows < seq_len, other=-1)
         doc_cols = tl.load(documents + cols, mask=cols < seq_len, other=-2)
-        visible &= doc_cols[:, None] == doc_rows[None, :]
+        query_documents, key_documents = _tile(doc_rows, doc_cols, KEYS_AS_ROWS)
+        visible &= query_documents == key_documents
     return visible
 
 
@@ -86,14 +99,14 @@ def _load_rows(
 def _teacher(
     q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
     group, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_COLUMNS: tl.constexpr,
-    GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_ROWS: tl.constexpr,
+    GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """t [N, M] fp32: the main attention probabilities averaged over the group's query heads
-    (q_group, lse_group point at the group's first head), 0 where not visible; rows are any
-    query rows (M >= 2). HEADS_AS_COLUMNS: rows is one token (M = 1), whose group's heads
-    make the columns of the products."""
-    if HEADS_AS_COLUMNS:
+    """t fp32 tile (see _tile): the main attention probabilities averaged over the group's
+    query heads (q_group, lse_group point at the group's first head), 0 where not visible;
+    rows are any query rows (M >= 2). HEADS_AS_ROWS: rows is one token (M = 1; queries as
+    rows), whose group's heads make the rows of the products."""
+    if HEADS_AS_ROWS:
         row = tl.max(rows, axis=0)  # the token
         heads = tl.arange(0, GROUP_PAD)  # [G_PAD]
         valid = (heads < group) & (row < seq_len)  # [G_PAD]
@@ -102,9 +115,9 @@ def _teacher(
             HEAD_DIM_PAD,
         )  # fmt: skip  # [G_PAD, D_PAD]
         lse = tl.load(lse_group + heads * stride_lse_h + row, mask=valid, other=0.0)
-        logits = tl.dot(k_tile, tl.trans(q_heads), input_precision=DOT_PRECISION) * qk_scale_log2
-        probs = tl.where(valid[None, :], tl.exp2(logits - lse[None, :] * LOG2_E), 0.0)
-        teacher = tl.sum(probs, axis=1)[:, None]  # [N, 1]
+        logits = tl.dot(q_heads, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale_log2
+        probs = tl.where(valid[:, None], tl.exp2(logits - lse[:, None] * LOG2_E), 0.0)
+        teacher = tl.sum(probs, axis=0)[None, :]  # [1, N]
     else:
         teacher = tl.zeros(visible.shape, tl.float32)
         for head in range(group):
@@ -112,42 +125,40 @@ def _teacher(
                 q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
             )
             lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
-            logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION) * qk_scale_log2
-            teacher += tl.exp2(logits - lse[None, :] * LOG2_E)  # [N, M]
+            if KEYS_AS_ROWS:
+                logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
+                lse = lse[None, :]
+            else:
+                logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+                lse = lse[:, None]
+            teacher += tl.exp2(logits * qk_scale_log2 - lse * LOG2_E)
     return tl.where(visible, teacher / group, 0.0)
 
 
 @triton.jit
-def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
-    """z [N, M] fp32, the scaled proxy logits; -inf where not visible."""
-    if qp_tile.shape[0] > 1:  # tl.dot pads small tiles on tensor cores
+def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr,
+                    KEYS_AS_ROWS: tl.constexpr):  # fmt: skip
+    """z fp32 tile (see _tile), the scaled proxy logits; -inf where not visible."""
+    if KEYS_AS_ROWS:
         logits = tl.dot(kp_tile, tl.trans(qp_tile), input_precision=DOT_PRECISION)
+    elif qp_tile.shape[0] > 1:  # tl.dot pads small tiles on tensor cores
+        logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION)
     else:  # a query block of one token
-        logits = tl.sum(kp_tile.to(tl.float32)[:, None, :] * qp_tile.to(tl.float32)[None, :, :], 2)
+        logits = tl.sum(qp_tile.to(tl.float32)[:, None, :] * kp_tile.to(tl.float32)[None, :, :], 2)
     logits *= proxy_scale
     return tl.where(visible, logits, float("-inf"))
 
 
 @triton.jit
-def _online_lse(slot_max, slot_sum, logits):
-    """The running (max, sum of exp(z - max)) of each slot [N, M] of a walk's tiles after the
-    logits [N, M] (-inf where not visible). Elementwise: the sum over keys, across the warps
-    that hold a tile's rows, happens once, at the walk's end (_lse_of_slots)."""
-    new_max = tl.maximum(slot_max, logits)
+def _online_lse(running_max, running_sum, logits):
+    """The running (max, sum of exp(z - max)) of rows [M] after the logits [M, N] (-inf where
+    not visible)."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    slot_sum = slot_sum * tl.exp(slot_max - safe_max) + tl.exp(logits - safe_max)
-    return new_max, slot_sum
-
-
-@triton.jit
-def _lse_of_slots(slot_max, slot_sum, unseen):
-    """The log-sum-exp [M] of each query over the slots [N, M] of _online_lse; `unseen` for
-    a query that saw no key."""
-    row_max = tl.max(slot_max, axis=0)
-    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-    total = tl.sum(slot_sum * tl.exp(slot_max - safe_max[None, :]), axis=0)
-    seen = total > 0
-    return tl.where(seen, row_max + tl.log(tl.where(seen, total, 1.0)), unseen)
+    running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
+        tl.exp(logits - safe_max[:, None]), axis=1
+    )
+    return new_max, running_sum
 
 
 @triton.jit
@@ -191,53 +202,53 @@ def _kl_rows_kernel(
     layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
-    slot_max = tl.full((KV_BLOCK, Q_BLOCK), float("-inf"), tl.float32)
-    slot_sum = tl.zeros((KV_BLOCK, Q_BLOCK), tl.float32)
+    running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((Q_BLOCK,), tl.float32)
     if GRAD:  # the student's lse first: the gradient needs it in the walk below
         for entry in range(start, end):
             cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-            visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
+            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS, False)
             if HAS_QUERY_MASKS:
-                visible &= _selected(query_masks, entry, Q_BLOCK)[None, :]
+                visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
             kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
-            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
-            slot_max, slot_sum = _online_lse(slot_max, slot_sum, logits)
-        lse_p = _lse_of_slots(slot_max, slot_sum, float("inf"))
+            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, False)
+            running_max, running_sum = _online_lse(running_max, running_sum, logits)
+        seen = running_sum > 0
+        lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
         grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
         coefficient = tl.load(grad_scale)
-    cross = tl.zeros((KV_BLOCK, Q_BLOCK), tl.float32)  # per slot: the sum of t (log t - z)
-    teacher_sum = tl.zeros((KV_BLOCK, Q_BLOCK), tl.float32)  # [N, M]
+    cross = tl.zeros((Q_BLOCK,), tl.float32)  # sum_j t (log t - z)
+    teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-        visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
+        visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS, False)
         if HAS_QUERY_MASKS:
-            visible &= _selected(query_masks, entry, Q_BLOCK)[None, :]
+            visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
         kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
         k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
-        logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
+        logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, False)
         teacher = _teacher(
             q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
             query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK == 1, GROUP_PAD,
-            DOT_PRECISION,
+            DOT_PRECISION, False,
         )  # fmt: skip
         if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
-            student = tl.exp(logits - lse_p[None, :])  # 0 where not visible
-            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [N, M]
+            student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
+            grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [M, N]
             if Q_BLOCK > 1:
-                grad_q = tl.dot(tl.trans(grad_logits), kp_tile, grad_q,
-                                input_precision=DOT_PRECISION)  # fmt: skip
+                grad_q = tl.dot(grad_logits, kp_tile, grad_q, input_precision=DOT_PRECISION)
             else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
                 grad_q += tl.sum(grad_logits.to(tl.float32)[:, :, None]
-                                 * kp_tile.to(tl.float32)[:, None, :], 0)  # fmt: skip
+                                 * kp_tile.to(tl.float32)[None, :, :], 1)  # fmt: skip
         else:
-            slot_max, slot_sum = _online_lse(slot_max, slot_sum, logits)
+            running_max, running_sum = _online_lse(running_max, running_sum, logits)
         used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
         log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
-        cross += tl.where(used, teacher * log_ratio, 0.0)
-        teacher_sum += teacher
-    lse_p = _lse_of_slots(slot_max, slot_sum, float("-inf"))
-    cross_rows, teacher_rows = tl.sum(cross, axis=0), tl.sum(teacher_sum, axis=0)  # [M]
-    kl = tl.where(teacher_rows > 0, cross_rows + lse_p * teacher_rows, 0.0)
+        cross += tl.sum(tl.where(used, teacher * log_ratio, 0.0), axis=1)
+        teacher_sum += tl.sum(teacher, axis=1)
+    seen = running_sum > 0
+    lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf"))
+    kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
     tl.store(lse_proxy + row_stats, lse_p, mask=rows < query_len)
     tl.store(kl_rows + row_stats, kl, mask=rows < query_len)
     if GRAD:
@@ -265,7 +276,8 @@ def _kl_dk_proxy_kernel(
 ):  # fmt: skip
     """One program per (kv block, batch x proxy key head): for each proxy head reading that
     key head, walks the query blocks that selected the kv block, ENTRIES of them at a time,
-    their rows gathered into one [KV_BLOCK, ENTRIES * Q_BLOCK] tile; writes d kl_loss /
+    their rows gathered into one [KV_BLOCK, ENTRIES * Q_BLOCK] tile (keys as rows: the
+    gradient is the tile times q_proxy, no transpose, a wgmma of 128 rows); writes d kl_loss /
     d k_proxy [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as
     in _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned
     with t_col_indices)."""
@@ -300,17 +312,17 @@ def _kl_dk_proxy_kernel(
             positions = rows
             if HAS_Q_BLOCKS:
                 positions = tl.load(q_blocks + q_block, mask=live, other=0) * Q_BLOCK + offsets
-            visible = _visible(cols, positions, seq_len, documents, HAS_DOCUMENTS)
+            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS, True)
             visible &= live[None, :]
             if HAS_QUERY_MASKS:
                 words = tl.load(query_masks + entries, mask=live, other=0)  # [M]
                 visible &= (((words >> offsets.to(tl.int64)) & 1) != 0)[None, :]
             qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
-            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
+            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, True)
             teacher = _teacher(
                 q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
                 query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, False, GROUP_PAD,
-                DOT_PRECISION,
+                DOT_PRECISION, True,
             )  # fmt: skip
             row_stats = batch * heads_proxy * query_len + head * query_len + rows
             lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)  # [M]
@@ -334,19 +346,21 @@ def dk_proxy_entries(q_block: int) -> int:
 
 
 def num_warps(kernel: str, q_block: int) -> int:
-    """Warps of a KL program ("rows" or "dk_proxy"), the faster of 4 and 8 on an H200 at 128K
-    tokens (docs/performance.md): rows of one token take 8, other rows 4; dk_proxy 8 for
-    gathered tiles of 64 rows or more, else 4."""
+    """Warps of a KL program ("rows" or "dk_proxy"), the faster choices on an H200 at 128K
+    tokens (docs/performance.md): rows of one token 8, query blocks of 2 to 32 rows 4, of 64
+    rows 8; dk_proxy 8 for gathered tiles of 64 rows or more, else 4."""
     if kernel == "rows":
-        return 8 if q_block < 64 else 4
+        return 4 if 1 < q_block < 64 else 8
     return 8 if dk_proxy_entries(q_block) * q_block >= 64 else 4
 
 
 def num_stages(kernel: str, q_block: int) -> int:
-    """Software-pipelining stages of a KL program ("rows" or "dk_proxy"): with 2 or more
-    Triton loads the next kv block's tiles (or the next head's query rows) while it computes
-    on this one."""
-    return 2
+    """Software-pipelining stages of a KL program, measured like num_warps: Triton then loads
+    the next head's query rows (and dk_proxy's next query blocks) during this one's products.
+    The rows kernel takes 2 (3 for 64-row blocks), rows of one token 1; dk_proxy 3."""
+    if kernel == "rows":
+        return 1 if q_block == 1 else 3 if q_block >= 64 else 2
+    return 3
 
 
 def _kernel_arguments(

@@ -373,7 +373,7 @@ def test_token_selection_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="at most 64"):
         token_selection_layout(selected, **dict(good, q_block=128))
     with pytest.raises(ValueError, match="q_block must be one of"):
-        token_selection_layout(selected, **dict(good, q_block=8))
+        token_selection_layout(selected, **dict(good, q_block=12))
     for row, match in [
         ([0, 3], r"in \[0, 3\) .* from -1 to 3"),
         ([0, 0], r"ascending without repeats .* token 5 holds \[0, 0\]"),
