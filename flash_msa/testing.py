@@ -154,15 +154,19 @@ def assemble_for_sm90(ptx: str, workdir: str, name: str) -> dict:
 
 
 def compile_for_sm90(
-    kernel, constexprs: dict, types: dict[str, str], num_warps: int, num_stages: int, workdir: str
+    kernel, constexprs: dict, types: dict[str, str], num_warps: int, num_stages: int, workdir: str,
+    aligned: bool = False,
 ) -> dict:
     """Compile a @triton.jit kernel for sm_90 (Hopper) on any machine, and read what Triton
     and the ptxas it bundles report: {"shared": bytes of shared memory, "registers",
-    "spills": bytes of spill stores, "wgmma": whether it uses Hopper's tensor cores}.
+    "spills": bytes of spill stores, "wgmma": whether it uses Hopper's tensor cores,
+    "pipelined": whether it loads ahead with cp.async}.
 
     constexprs: the kernel's constexpr values; types: Triton types of the other arguments
-    ("*bf16", "*fp32", "fp32", ...; "i32" where absent). Needs a process in which the
-    kernel was decorated without TRITON_INTERPRET=1 (e.g. a subprocess)."""
+    ("*bf16", "*fp32", "fp32", ...; "i32" where absent). aligned: pointers and stride_*
+    arguments specialised as divisible by 16, as the launcher does for such tensors (Triton
+    pipelines pointer loads only then). Needs a process in which the kernel was decorated
+    without TRITON_INTERPRET=1 (e.g. a subprocess)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -170,8 +174,12 @@ def compile_for_sm90(
         arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
         for arg in kernel.arg_names
     }
+    divisible = {
+        (index,): [["tt.divisibility", 16]] for index, arg in enumerate(kernel.arg_names)
+        if aligned and (signature[arg].startswith("*") or arg.startswith("stride_"))
+    }  # fmt: skip
     compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+        ASTSource(kernel, signature, constexprs, divisible), target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=num_warps, num_stages=num_stages),
     )  # fmt: skip
     assembled = assemble_for_sm90(compiled.asm["ptx"], workdir, kernel.__name__)
@@ -180,4 +188,5 @@ def compile_for_sm90(
         registers=assembled["registers"],
         spills=assembled["spills"],
         wgmma="wgmma" in compiled.asm["ptx"],
+        pipelined="cp.async" in compiled.asm["ptx"],
     )

@@ -273,20 +273,23 @@ sizes = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, PROXY_DIM=128, PROXY_DIM_PAD=128, K
              GROUP_PAD=16, HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False, DOT_PRECISION="tf32")
 for name, kernel, options in [
     ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=1, HAS_QUERY_MASKS=False, GRAD=True)),
+    ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, GRAD=True)),
     ("dk_proxy", kl._kl_dk_proxy_kernel,
      dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, ENTRIES=kl.dk_proxy_entries(16))),
 ]:
-    warps = kl.num_warps(name, options["Q_BLOCK"])
-    report = compile_for_sm90(kernel, dict(sizes, **options), types, warps, 1, sys.argv[1])
+    warps, stages = (function(name, options["Q_BLOCK"]) for function in (kl.num_warps,
+                                                                          kl.num_stages))
+    report = compile_for_sm90(kernel, dict(sizes, **options), types, warps, stages, sys.argv[1],
+                              aligned=True)
     print(json.dumps(dict(report, name=f"{name} q_block {options['Q_BLOCK']}")))
 """
 
 
 def test_kl_kernels_compile_for_hopper(tmp_path):
     """The interpreter never reaches GPU code generation: compile the per-token KL kernels
-    for sm_90 (bf16, D = D_p = 128) at the warps they launch with (rows of one token: the
-    broadcast-sum student; dk_proxy's 16-row query blocks gathered four to a tile, on
-    tensor cores)."""
+    for sm_90 (bf16, D = D_p = 128) at the warps and stages they launch with (rows of one
+    token: the broadcast-sum student; 16-row blocks, loads pipelined; dk_proxy's 16-row
+    query blocks gathered four to a tile, on tensor cores, loads pipelined)."""
     if not os.path.exists(PTXAS):
         pytest.skip("this Triton build bundles no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -297,5 +300,6 @@ def test_kl_kernels_compile_for_hopper(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     reports = {report["name"]: report for report in map(json.loads, result.stdout.splitlines())}
-    assert sorted(reports) == ["dk_proxy q_block 16", "rows q_block 1"]
+    assert sorted(reports) == ["dk_proxy q_block 16", "rows q_block 1", "rows q_block 16"]
     assert reports["dk_proxy q_block 16"]["wgmma"]
+    assert reports["dk_proxy q_block 16"]["pipelined"] and reports["rows q_block 16"]["pipelined"]
