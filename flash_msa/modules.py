@@ -13,7 +13,7 @@ from flash_msa.distributed.plan import check_balance
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import check_score_dtype
-from flash_msa.msa.interface import MAX_MASK_QUERIES, default_q_block
+from flash_msa.msa.interface import check_msa_blocks, default_q_block
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -248,17 +248,7 @@ class MSAAttention(_ProjectedAttention):
         for name, dim in (("head_dim", self.head_dim), ("proxy_head_dim", proxy_head_dim)):
             if dim % 2 != 0:
                 raise ValueError(f"{name} {dim} must be even: rotary embeddings rotate pairs")
-        check_block_size("q_block", q_block)
-        check_block_size("kv_block", kv_block)
-        if q_block > kv_block:
-            raise ValueError(
-                f"q_block {q_block} must be <= kv_block {kv_block}: each query block must lie "
-                "inside one kv block, its diagonal"
-            )
-        if granularity == "token" and q_block > MAX_MASK_QUERIES:
-            raise ValueError(
-                f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got {q_block}"
-            )
+        check_msa_blocks(q_block, kv_block, granularity, num_heads // num_proxy_heads)
         if type(rope_base) not in (int, float) or not math.isfinite(rope_base) or rope_base <= 1:
             raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
         self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads

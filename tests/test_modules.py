@@ -87,8 +87,10 @@ def _grad_norm(parameter: torch.Tensor) -> float:
         (dict(proxy_head_dim=15), "proxy_head_dim 15 must be even"),
         (dict(embed_dim=12, num_heads=4), "head_dim 3 must be even"),
         (dict(top_k=0), "top_k must be a positive int, got 0"),
-        (dict(q_block=48), r"q_block must be one of \(16, 32, 64, 128\), got 48"),
-        (dict(q_block=64, kv_block=32), "q_block 64 must be <= kv_block 32"),
+        (dict(q_block=48), r"q_block must be one of \(1, 2, 4, 8, 16, 32, 64, 128\), got 48"),
+        (dict(q_block=8, granularity="block"), r"q_block must be one of \(16, 32, 64, 128\)"),
+        (dict(q_block=2), "q_block 2 with H_q / H_p = 2 query heads .* tiles of 4 rows"),
+        (dict(q_block=64, kv_block=32), r"q_block \(64\) must be <= kv_block \(32\)"),
         (dict(rope_base=0.5), "rope_base must be a finite number > 1, got 0.5"),
         (dict(rope_base="1e4"), "rope_base must be a finite number > 1, got '1e4'"),
         (dict(score_dtype=torch.int8), "score_dtype must be None .* got torch.int8"),
@@ -145,10 +147,11 @@ class _ReferenceMSAAttention(MSAAttention):
 class _TinyModel(nn.Module):
     """Two residual MSA layers: the second's kl_loss also trains the first, through its input."""
 
-    def __init__(self, layer_class):
+    def __init__(self, layer_class, q_block):
         super().__init__()
+        options = dict(TINY, q_block=q_block)
         self.layers = nn.ModuleList(
-            layer_class(32, 4, **TINY, bias=True, device=DEVICE) for _ in range(2)
+            layer_class(32, 4, **options, bias=True, device=DEVICE) for _ in range(2)
         )
 
     def forward(self, x, warmup):
@@ -159,10 +162,11 @@ class _TinyModel(nn.Module):
         return x, kl_total
 
 
-def test_training_steps_match_reference():
+@pytest.mark.parametrize("q_block", [16, 8])  # per-token tiles of 16 and of 8 tokens
+def test_training_steps_match_reference(q_block):
     torch.manual_seed(0)
-    model = _TinyModel(MSAAttention)
-    reference = _TinyModel(_ReferenceMSAAttention)
+    model = _TinyModel(MSAAttention, q_block)
+    reference = _TinyModel(_ReferenceMSAAttention, q_block)
     reference.load_state_dict(model.state_dict())
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     x = torch.randn(2, 96, 32, device=DEVICE)

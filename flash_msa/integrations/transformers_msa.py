@@ -59,11 +59,10 @@ from flash_msa.integrations.transformers import (
     _register,
     _starts,
 )
-from flash_msa.layout import check_block_size
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import FP8, check_score_dtype
-from flash_msa.msa.interface import MAX_MASK_QUERIES, check_granularity, default_q_block
+from flash_msa.msa.interface import check_granularity, check_msa_blocks, default_q_block
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
@@ -141,18 +140,7 @@ def _check_settings(settings: dict) -> None:
             "rotate pairs"
         )
     check_granularity(settings["granularity"])  # first: it sets q_block's default
-    check_block_size("q_block", settings["q_block"])
-    check_block_size("kv_block", settings["kv_block"])
-    if settings["q_block"] > settings["kv_block"]:
-        raise ValueError(
-            f"q_block {settings['q_block']} must be <= kv_block {settings['kv_block']}: each "
-            "query block must lie inside one kv block, its diagonal"
-        )
-    if settings["granularity"] == "token" and settings["q_block"] > MAX_MASK_QUERIES:
-        raise ValueError(
-            f"granularity 'token' takes q_block at most {MAX_MASK_QUERIES}, got "
-            f"{settings['q_block']}"
-        )
+    check_msa_blocks(settings["q_block"], settings["kv_block"], settings["granularity"])
     if not isinstance(settings["score_dtype"], (str, type(None))) or (
         settings["score_dtype"] not in SCORE_DTYPES
     ):
@@ -184,7 +172,8 @@ def _attention_layers(model) -> list[nn.Module]:
     return layers
 
 
-def _check_layer(model, layer: nn.Module, num_proxy_heads: int) -> None:
+def _check_layer(model, layer: nn.Module, settings: dict) -> None:
+    num_proxy_heads = settings["num_proxy_heads"]
     name = f"{type(layer).__name__} (layer_idx {getattr(layer, 'layer_idx', None)})"
     if hasattr(layer, "proxy_proj"):
         raise ValueError(f"{name} already has a proxy_proj: the model is converted already")
@@ -207,6 +196,8 @@ def _check_layer(model, layer: nn.Module, num_proxy_heads: int) -> None:
             f"and be a multiple of its {heads_kv} key-value heads (each proxy head selects for "
             f"query heads that share one kv head); choose one of {choices}"
         )
+    check_msa_blocks(settings["q_block"], settings["kv_block"], settings["granularity"],
+                     heads_q // num_proxy_heads)  # fmt: skip
 
 
 def _keep_hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -222,7 +213,7 @@ def _attach(model, settings: dict) -> None:
     _check_settings(settings)
     layers = _attention_layers(model)
     for layer in layers:
-        _check_layer(model, layer, settings["num_proxy_heads"])
+        _check_layer(model, layer, settings)
     proxy_features = (settings["num_proxy_heads"] + 1) * settings["proxy_head_dim"]
     for layer in layers:
         weight = layer.q_proj.weight

@@ -77,14 +77,24 @@ def check_msa_inputs(
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     check_granularity(granularity)
     check_score_dtype(score_dtype, q.device)
+    check_msa_blocks(q_block, kv_block, granularity, heads_q // heads_proxy)
+    check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
+
+
+def check_msa_blocks(q_block, kv_block, granularity: str, heads_per_proxy: int | None = None
+                     ) -> None:  # fmt: skip
+    """MSA's block sizes (ValueError naming the fix), for msa_func and the layers: q_block one
+    of the layout's sizes with granularity "token" (rows of 1 to 8 tokens too, at most 64:
+    one int64 of query bits per block), a block size with "block"; kv_block a block size, at
+    least q_block; with heads_per_proxy (H_q / H_p), the tiles of q_block rows x the query
+    heads a proxy head packs at least the kernels' MIN_TILE_ROWS."""
     q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
     check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)
-    check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
-    packed = largest_power_of_two_dividing(heads_q // heads_proxy)  # heads a tile packs
+    packed = largest_power_of_two_dividing(heads_per_proxy or MIN_TILE_ROWS)  # heads a tile packs
     if q_block * packed < MIN_TILE_ROWS:
         raise ValueError(
-            f"q_block {q_block} with H_q / H_p = {heads_q // heads_proxy} query heads per proxy "
+            f"q_block {q_block} with H_q / H_p = {heads_per_proxy} query heads per proxy "
             f"head fills tiles of {q_block * packed} rows, fewer than the kernels' "
             f"{MIN_TILE_ROWS}: use q_block {MIN_TILE_ROWS} (or more query heads per proxy head)"
         )
