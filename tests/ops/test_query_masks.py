@@ -108,6 +108,8 @@ CASES = {
                                  documents=True, seed=2),
     "64-row-words-per-batch": Case(seq_len=170, q_block=64, kv_block=32, batch=2,
                                    layout_batch=2, layout_heads=2, top_k=2, seed=3),
+    "8-token-rows-gqa": Case(seq_len=100, q_block=8, kv_block=16, heads_q=4, heads_kv=2,
+                             layout_heads=1, seed=4),
 }  # fmt: skip
 
 
