@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
@@ -355,12 +356,34 @@ def num_warps(kernel: str, q_block: int) -> int:
 
 
 def num_stages(kernel: str, q_block: int) -> int:
-    """Software-pipelining stages of a KL program, measured like num_warps: Triton then loads
-    the next head's query rows (and dk_proxy's next query blocks) during this one's products.
-    The rows kernel takes 2 (3 for 64-row blocks), rows of one token 1; dk_proxy 3."""
+    """Software-pipelining stages of a KL program, measured like num_warps at D = D_p = 128 in
+    bf16: Triton then loads the next head's query rows (and dk_proxy's next query blocks)
+    during this one's products. The rows kernel takes 2 (3 for 64-row blocks), rows of one
+    token 1; dk_proxy 3. _launch takes fewer where the tiles do not fit."""
     if kernel == "rows":
         return 1 if q_block == 1 else 3 if q_block >= 64 else 2
     return 3
+
+
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def _launch(kernel, grid, stages: int, arguments: dict) -> None:
+    """kernel[grid](**arguments) at `stages` pipelining stages, or the most below that whose
+    buffers fit the device's shared memory (at D 256, or with fp32 inputs, 3 stages of 64-row
+    tiles need more than an H200's 227 KiB); the count found is kept per kernel, tile sizes,
+    dtype and device, so later calls launch at once."""
+    key = (kernel.fn.__name__, stages, arguments["q"].dtype, arguments["q"].device,
+           *(arguments[name] for name in ("Q_BLOCK", "HEAD_DIM_PAD", "PROXY_DIM_PAD")))  # fmt: skip
+    for count in range(_STAGES_THAT_FIT.get(key, stages), 0, -1):
+        try:
+            kernel[grid](num_stages=count, **arguments)
+        except OutOfResources:
+            if count == 1:
+                raise
+            continue
+        _STAGES_THAT_FIT[key] = count
+        return
 
 
 def _kernel_arguments(
@@ -433,13 +456,13 @@ def _kl_forward(
     divisor = _divisor(reduction, kl_rows.numel())
     grad_scale = lse.new_full((1,), 1 / divisor)  # d kl_loss / d kl(i, p)
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
-    _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
+    _launch(_kl_rows_kernel, (layout.num_q_blocks, batch * heads_proxy),
+            num_stages("rows", layout.q_block), dict(
         row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
         lse_proxy=lse_proxy, kl_rows=kl_rows, grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
         num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse),
-        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block),
-        num_stages=num_stages("rows", layout.q_block), **arguments,
-    )  # fmt: skip
+        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **arguments,
+    ))  # fmt: skip
     return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
 
 
@@ -486,14 +509,15 @@ def _kl_backward(
     grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     grad_k_proxy = torch.empty_like(k_proxy)
-    _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_proxy_keys)](
+    _launch(_kl_dk_proxy_kernel, (layout.num_kv_blocks, batch * heads_proxy_keys),
+            num_stages("dk_proxy", layout.q_block), dict(
         ENTRIES=dk_proxy_entries(layout.q_block), t_row_offsets=t_row_offsets,
         t_col_indices=t_col_indices,
         lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
         heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
         **query_mask_arguments(masks, "csc", lse), num_warps=num_warps("dk_proxy", layout.q_block),
-        num_stages=num_stages("dk_proxy", layout.q_block), **arguments,
-    )  # fmt: skip
+        **arguments,
+    ))  # fmt: skip
     return grad_k_proxy
 
 

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from flash_msa import block_sparse_attn_func, patterns
-from flash_msa.msa import proxy_kl_loss
+from flash_msa.msa import kl, proxy_kl_loss
 from flash_msa.reference import layout_mask
 from flash_msa.sequences import document_ids_of
 from flash_msa.testing import PTXAS, relative_error
@@ -303,3 +304,35 @@ def test_kl_kernels_compile_for_hopper(tmp_path):
     assert sorted(reports) == ["dk_proxy q_block 16", "rows q_block 1", "rows q_block 16"]
     assert reports["dk_proxy q_block 16"]["wgmma"]
     assert reports["dk_proxy q_block 16"]["pipelined"] and reports["rows q_block 16"]["pipelined"]
+
+
+class _KernelNeedingStages:
+    """A stand-in for a @triton.jit kernel whose buffers fit shared memory only at `fitting`
+    stages or fewer: a launch above raises OutOfResources, as Triton's does before running."""
+
+    def __init__(self, fitting: int):
+        self.fn, self.fitting, self.launched = self, fitting, []
+        self.__name__ = "needs_stages"
+
+    def __getitem__(self, grid):
+        def launch(num_stages, **arguments):
+            if num_stages > self.fitting:
+                raise OutOfResources(num_stages * 100_000, 232_448, "shared memory")
+            self.launched.append((grid, num_stages))
+
+        return launch
+
+
+def test_kl_launch_takes_fewer_stages_where_the_tiles_do_not_fit(monkeypatch):
+    """At D 256 or with fp32 inputs the measured stage counts overflow an H200's shared memory:
+    the launch drops stages until it fits, keeps the count for the next call, and raises
+    only where even 1 stage does not fit."""
+    monkeypatch.setattr(kl, "_STAGES_THAT_FIT", {})
+    arguments = dict(q=torch.empty(1), Q_BLOCK=64, HEAD_DIM_PAD=256, PROXY_DIM_PAD=256)
+    kernel = _KernelNeedingStages(fitting=1)
+    for _ in range(2):
+        kl._launch(kernel, (4, 2), 3, arguments)
+    assert kernel.launched == [((4, 2), 1), ((4, 2), 1)]
+    assert list(kl._STAGES_THAT_FIT.values()) == [1]
+    with pytest.raises(OutOfResources):
+        kl._launch(_KernelNeedingStages(fitting=0), (1, 1), 2, arguments)
