@@ -348,8 +348,9 @@ def dk_proxy_entries(q_block: int) -> int:
 
 def num_warps(kernel: str, q_block: int) -> int:
     """Warps of a KL program ("rows" or "dk_proxy"), the faster choices on an H200 at 128K
-    tokens (docs/performance.md): rows of one token 8, query blocks of 2 to 32 rows 4, of 64
-    rows 8; dk_proxy 8 for gathered tiles of 64 rows or more, else 4."""
+    tokens (docs/performance.md): rows of one token 8, query blocks of 2 to 32 rows 4 (as
+    measured at 16), of 64 rows and more 8; dk_proxy 8 for gathered tiles of 64 rows or more,
+    else 4."""
     if kernel == "rows":
         return 4 if 1 < q_block < 64 else 8
     return 8 if dk_proxy_entries(q_block) * q_block >= 64 else 4
