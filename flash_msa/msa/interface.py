@@ -91,8 +91,8 @@ def check_msa_blocks(q_block, kv_block, granularity: str, heads_per_proxy: int |
     q_block_sizes = LAYOUT_BLOCK_SIZES if granularity == "token" else BLOCK_SIZES
     check_block_size("q_block", q_block, q_block_sizes)
     check_block_size("kv_block", kv_block)
-    packed = largest_power_of_two_dividing(heads_per_proxy or MIN_TILE_ROWS)  # heads a tile packs
-    if q_block * packed < MIN_TILE_ROWS:
+    packed = None if heads_per_proxy is None else largest_power_of_two_dividing(heads_per_proxy)
+    if packed is not None and q_block * packed < MIN_TILE_ROWS:  # packed: heads a tile packs
         raise ValueError(
             f"q_block {q_block} with H_q / H_p = {heads_per_proxy} query heads per proxy "
             f"head fills tiles of {q_block * packed} rows, fewer than the kernels' "
