@@ -68,7 +68,7 @@ def trained_agreement(model: NeedleLM, tokens: torch.Tensor) -> float:
                     select(q_proxy, k_proxy, top_k=config.top_k, q_block=config.q_block,
                            kv_block=config.kv_block, proxy_softmax_scale=1.0,
                            granularity="block", warmup=False, document_ids=None,
-                           cu_seqlens=None, score_dtype=dtype).layout
+                           cu_seqlens=None, score_dtype=dtype)[0].layout
                     for dtype in SCORE_DTYPES.values()
                 )  # fmt: skip
                 kept, shared = bf16.nnz, (bf16 & fp8).nnz

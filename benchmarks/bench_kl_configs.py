@@ -89,7 +89,7 @@ def main() -> None:
         q_proxy, k_proxy, q, k, v = (inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v"))
         for granularity, q_block in cases:
             with torch.no_grad():
-                layout, masks = bench_msa.select(
+                (layout, masks), _ = bench_msa.select(
                     q_proxy, k_proxy, top_k=bench_msa.TOP_K, q_block=q_block,
                     kv_block=bench_msa.KV_BLOCK, granularity=granularity,
                     proxy_softmax_scale=scale, warmup=False, document_ids=None, cu_seqlens=None,

@@ -157,7 +157,7 @@ def run_msa(
     total = timed(step, leaves)
     with torch.no_grad():
         selection_ms = timed(selection)["ms"]
-        chosen = selection()
+        chosen, kl_chosen = selection()  # the main attention's and the KL's tiles
     free_memory()
     layout, query_masks = chosen
     main_ms = timed(
@@ -172,8 +172,8 @@ def run_msa(
         )[1]
     kl_kernels_ms = timed(
         lambda: proxy_kl_loss(
-            q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale, proxy_softmax_scale=scale,
-            query_masks=query_masks,
+            q_proxy, k_proxy, q, k, lse, kl_chosen.layout, softmax_scale=scale,
+            proxy_softmax_scale=scale, query_masks=kl_chosen.query_masks,
         ).backward(),
         [q_proxy, k_proxy],
     )["ms"]  # fmt: skip

@@ -16,9 +16,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import flash_msa.msa.interface  # noqa: F401  (registers the selection ops)
 
-SAVED_OPS = frozenset(
-    {torch.ops.flash_msa.block_selection.default, torch.ops.flash_msa.token_selection.default}
-)
+SAVED_OPS = frozenset({
+    torch.ops.flash_msa.block_selection.default, torch.ops.flash_msa.token_selection.default,
+    torch.ops.flash_msa.token_layout.default,
+})
 
 
 def _keep_selection(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -24,6 +24,7 @@ GRANULARITIES = ("token", "block")
 # q_block by default: block's selection unit; token's main attention tile (16 tokens, GQA-
 # packed to 64 rows, hold a smaller union of choices than 64: docs/performance.md).
 DEFAULT_Q_BLOCKS = {"token": 16, "block": 64}
+MIN_KL_Q_BLOCK = 16  # tokens per KL query tile under granularity "token" (see kl_q_block)
 
 
 def check_granularity(granularity) -> None:
@@ -116,19 +117,32 @@ def _token_selection(
     k_proxy: torch.Tensor,
     document_ids: torch.Tensor | None,
     top_k: int,
-    q_block: int,
     kv_block: int,
     fp8_scores: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-token selection as a layout: (row_offsets, col_indices, the transpose's
-    row_offsets and col_indices, query_masks, transpose_entries). One op, so that
-    torch.compile sees the data-dependent size of the union (nnz) once, as one symbol."""
-    selected = select_tokens(
+) -> torch.Tensor:
+    """select_tokens as one op, so that activation checkpointing keeps its output instead of
+    scoring every causal pair again (msa_checkpoint_context)."""
+    return select_tokens(
         q_proxy, k_proxy, top_k=top_k, kv_block=kv_block, document_ids=document_ids,
         score_dtype=FP8 if fp8_scores else None,
     )  # fmt: skip
+
+
+@_token_selection.register_fake
+def _(q_proxy, k_proxy, document_ids, top_k, kv_block, fp8_scores):
+    batch, seq_len, heads = q_proxy.shape[:3]
+    return q_proxy.new_empty(batch, heads, seq_len, top_k, dtype=torch.int32)
+
+
+@torch.library.custom_op("flash_msa::token_layout", mutates_args=())
+def _token_layout(
+    selected: torch.Tensor, q_block: int, kv_block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """select_tokens' choices as a layout: (row_offsets, col_indices, the transpose's
+    row_offsets and col_indices, query_masks, transpose_entries). One op, so that
+    torch.compile sees the data-dependent size of the union (nnz) once, as one symbol."""
     layout, query_masks = token_selection_layout(
-        selected, seq_len=q_proxy.shape[1], q_block=q_block, kv_block=kv_block, check=False
+        selected, seq_len=selected.shape[2], q_block=q_block, kv_block=kv_block, check=False
     )
     if query_masks is None:  # q_block 1: each row reads all of its blocks
         query_masks = selected.new_empty(0, dtype=torch.int64)
@@ -139,13 +153,13 @@ def _token_selection(
     )  # fmt: skip
 
 
-@_token_selection.register_fake
-def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, fp8_scores):
-    batch, seq_len, heads = q_proxy.shape[:3]
+@_token_layout.register_fake
+def _(selected, q_block, kv_block):
+    batch, heads, seq_len = selected.shape[:3]
     nnz = torch.library.get_ctx().new_dynamic_size()
     rows = (math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
-    int32 = dict(dtype=torch.int32, device=q_proxy.device)
-    int64 = dict(dtype=torch.int64, device=q_proxy.device)
+    int32 = dict(dtype=torch.int32, device=selected.device)
+    int64 = dict(dtype=torch.int64, device=selected.device)
     return (
         torch.empty(batch * heads, rows[0] + 1, **int32), torch.empty(nnz, **int32),
         torch.empty(batch * heads, rows[1] + 1, **int32), torch.empty(nnz, **int32),
@@ -153,19 +167,26 @@ def _(q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, fp8_scores):
     )  # fmt: skip
 
 
-def _token_selection_layout(
-    q_proxy, k_proxy, *, top_k, q_block, kv_block, document_ids, score_dtype
-):  # fmt: skip
-    """MsaSelection of the per-token selection (the proxy scale leaves the order alone)."""
-    row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, entries = _token_selection(
-        q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, score_dtype == FP8
+def _token_selection_layout(selected: torch.Tensor, *, q_block: int, kv_block: int):
+    """MsaSelection of select_tokens' [B, H_p, S, top_k] choices over tiles of q_block tokens."""
+    row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, entries = _token_layout(
+        selected, q_block, kv_block
     )
-    batch, seq_len, heads = q_proxy.shape[:3]
+    batch, heads, seq_len = selected.shape[:3]
     layout = BlockLayout(
         row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len, q_block=q_block,
         kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
     ).attach_transpose(t_row_offsets, t_col_indices, entries)  # fmt: skip
     return MsaSelection(layout, None if q_block == 1 else query_masks)
+
+
+def kl_q_block(q_block: int) -> int:
+    """The query tile of the KL's layout under granularity "token": tiles of 2 to 8 tokens
+    are merged to 16 (no kv_block is smaller), whose union of choices the KL walks faster than two
+    halves' (its kernels take the queries as a tile's rows and load each K and k_proxy tile
+    per query tile: docs/performance.md); rows of one token stay (their tiles are a token's
+    query heads)."""
+    return q_block if q_block == 1 else max(q_block, MIN_KL_Q_BLOCK)
 
 
 @torch.library.custom_op("flash_msa::block_selection", mutates_args=())
@@ -222,8 +243,11 @@ def select(
     document_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     score_dtype: torch.dtype | None = None,
-) -> MsaSelection:
-    """msa_func's selection (no gradient) of [B, S, ...] proxy tensors, checked by the caller."""
+) -> tuple[MsaSelection, MsaSelection]:
+    """msa_func's selection (no gradient) of [B, S, ...] proxy tensors, checked by the caller:
+    (the main attention's, the KL's). The two differ only under granularity "token" with
+    q_block 2 to 8, where the KL walks tiles of kl_q_block tokens; both hold exactly each
+    token's choices."""
     seq_len, device = q_proxy.shape[1], q_proxy.device
     with torch.no_grad():
         if warmup or q_proxy.shape[0] == 0:  # batch 0: nothing to score, empty outputs
@@ -232,10 +256,14 @@ def select(
             layout = patterns.causal(seq_len, q_block=dense_q_block, kv_block=kv_block,
                                      device=device)  # fmt: skip
         elif granularity == "token":  # it never picks a block of another document
-            return _token_selection_layout(
-                q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
-                document_ids=document_ids, score_dtype=score_dtype,
-            )  # fmt: skip
+            selected = _token_selection(
+                q_proxy, k_proxy, document_ids, top_k, kv_block, score_dtype == FP8
+            )
+            main = _token_selection_layout(selected, q_block=q_block, kv_block=kv_block)
+            kl_tiles = kl_q_block(q_block)
+            if kl_tiles == q_block:
+                return main, main
+            return main, _token_selection_layout(selected, q_block=kl_tiles, kv_block=kv_block)
         else:
             row_offsets, col_indices = _block_selection(
                 q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale,
@@ -251,7 +279,8 @@ def select(
                 seq_len, q_block=layout.q_block, kv_block=kv_block, device=device,
                 cu_seqlens=cu_seqlens,
             )  # fmt: skip
-    return MsaSelection(layout, None)
+    selection = MsaSelection(layout, None)
+    return selection, selection
 
 
 def msa_func(
@@ -290,8 +319,9 @@ def msa_func(
         top_k: key blocks per token (or query block) and proxy head, its own included.
         q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128); for
             granularity "token" q_block is only the main attention's query tile, at most 64
-            (None: 16 for "token", 64 for "block"); "token" also takes q_block 1, a row per
-            token over exactly its blocks, where H_q / H_p packs 16 query heads or more.
+            (the KL's holds kl_q_block tokens; None: 16 for "token", 64 for "block");
+            "token" also takes q_block 1, a row per token over exactly its blocks, where
+            H_q / H_p packs 16 query heads or more.
         softmax_scale, proxy_softmax_scale: default 1 / sqrt(D) and 1 / sqrt(D_p).
         cu_seqlens: int32 [N + 1] of packed documents; nothing crosses a document.
         warmup: attend over every causal block (dense) while the proxy trains on the full
@@ -334,19 +364,19 @@ def msa_func(
     proxy_scale = (
         1.0 / math.sqrt(q_proxy.shape[-1]) if proxy_softmax_scale is None else proxy_softmax_scale
     )
-    selection = select(
+    selection, kl_selection = select(
         q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
         proxy_softmax_scale=proxy_scale, granularity=granularity, warmup=warmup,
         document_ids=document_ids, cu_seqlens=cu_seqlens, score_dtype=score_dtype,
     )  # fmt: skip
-    layout, query_masks = selection
     out, lse = block_sparse_attn_func(
-        q, k, v, layout, causal=True, softmax_scale=scale, return_lse=True,
-        document_ids=document_ids, query_masks=query_masks,
+        q, k, v, selection.layout, causal=True, softmax_scale=scale, return_lse=True,
+        document_ids=document_ids, query_masks=selection.query_masks,
     )  # fmt: skip
     kl_loss = checked_kl_loss(
-        q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
-        proxy_softmax_scale=proxy_scale, document_ids=document_ids, query_masks=query_masks,
+        q_proxy, k_proxy, q, k, lse, kl_selection.layout, softmax_scale=scale,
+        proxy_softmax_scale=proxy_scale, document_ids=document_ids,
+        query_masks=kl_selection.query_masks,
     )  # fmt: skip
     if cu_seqlens is not None:
         out = out[0]

@@ -7,7 +7,7 @@ import torch
 
 from flash_msa.msa import msa_func, msa_reference
 from flash_msa.msa.fp8 import FP8
-from flash_msa.msa.interface import GRANULARITIES
+from flash_msa.msa.interface import GRANULARITIES, select
 from flash_msa.testing import fp8_exact_proxies, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
@@ -108,6 +108,22 @@ def test_msa_func_matches_reference(name, poisoned_allocations):
         batch, seq_len, heads[0], dim, generator=torch.Generator().manual_seed(1)
     )
     _check_against_reference(tensors, grad_out, top_k, q_block, kv_block, warmup=False)
+
+
+@pytest.mark.parametrize(
+    "q_block, kv_block, kl_q_block", [(2, 32, 16), (8, 16, 16), (16, 32, 16), (1, 32, 1)]
+)
+def test_kl_tiles_hold_each_tokens_choices(q_block, kv_block, kl_q_block):
+    """Tiles of 2 to 8 tokens leave the KL walking tiles of 16 over the
+    same per-token choices; other tiles are the main attention's own."""
+    q_proxy, k_proxy = _inputs(1, 150, (4, 2, 2, 1), 16, 16, seed=q_block)[:2]
+    main, kl = select(
+        q_proxy, k_proxy, top_k=3, q_block=q_block, kv_block=kv_block, proxy_softmax_scale=0.25,
+        granularity="token", warmup=False, document_ids=None, cu_seqlens=None,
+    )  # fmt: skip
+    assert (main.layout.q_block, kl.layout.q_block) == (q_block, kl_q_block)
+    assert (kl is main) == (kl_q_block == q_block)
+    assert torch.equal(_element_mask(kl, 150), _element_mask(main, 150))
 
 
 def test_warmup_is_dense_causal_with_the_full_kl(poisoned_allocations):
