@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 
 import torch
 import triton
@@ -159,8 +161,8 @@ def compile_for_sm90(
 ) -> dict:
     """Compile a @triton.jit kernel for sm_90 (Hopper) on any machine, and read what Triton
     and the ptxas it bundles report: {"shared": bytes of shared memory, "registers",
-    "spills": bytes of spill stores, "wgmma": whether it uses Hopper's tensor cores,
-    "pipelined": whether it loads ahead with cp.async}.
+    "spills": bytes of spill stores, "wgmma": whether it uses Hopper's tensor cores, "fp8":
+    whether it multiplies e4m3 values, "pipelined": whether it loads ahead with cp.async}.
 
     constexprs: the kernel's constexpr values; types: Triton types of the other arguments
     ("*bf16", "*fp32", "fp32", ...; "i32" where absent). aligned: pointers and stride_*
@@ -188,5 +190,21 @@ def compile_for_sm90(
         registers=assembled["registers"],
         spills=assembled["spills"],
         wgmma="wgmma" in compiled.asm["ptx"],
+        fp8="e4m3" in compiled.asm["ptx"],
         pipelined="cp.async" in compiled.asm["ptx"],
     )
+
+
+def sm90_reports(script: str, workdir, *args: str, timeout: int = 900) -> list[dict]:
+    """Run `script`, Python that compiles kernels for sm_90 (with compile_for_sm90) and prints
+    one JSON report a line, in a child process without TRITON_INTERPRET (an interpreted kernel
+    never reaches GPU code generation), with argv [workdir, *args] and Triton's cache in
+    workdir/cache; returns the reports (AssertionError with the child's stderr if it fails)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = os.path.join(workdir, "cache")
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(workdir), *args], env=env, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]

@@ -45,3 +45,18 @@ def poisoned_allocations(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+@pytest.fixture
+def sm90(tmp_path):
+    """flash_msa.testing.sm90_reports(script, *args) in tmp_path; skips where this Triton
+    bundles no ptxas."""
+    from flash_msa.testing import PTXAS, sm90_reports  # after TRITON_INTERPRET is chosen
+
+    if not os.path.exists(PTXAS):
+        pytest.skip("this Triton build bundles no ptxas")
+
+    def run(script: str, *args: str) -> list[dict]:
+        return sm90_reports(script, tmp_path, *args)
+
+    return run

@@ -277,69 +277,34 @@ def test_block_scores_of_query_blocks_reject_bad_tensors():
                      out=torch.empty(2, 2, 10, 5))  # fmt: skip
 
 
+# Compiles the first and last autotune configs at MSA's blocks (q_block 64, kv_block 128, D_p
+# 128, 4 proxy heads per key head), bf16 and FP8 scores; one JSON report per compile.
 SM90_COMPILE = """
-import importlib, os, re, subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import importlib, json, sys
+from flash_msa.testing import compile_for_sm90
 
-module = importlib.import_module("flash_msa.msa.block_scores")
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-Q_BLOCK, KV_BLOCK, PACK = 64, 128, 2  # MSA's blocks, 4 proxy heads per key head
-configs = module._configs(KV_BLOCK, Q_BLOCK * PACK)
+block_scores = importlib.import_module("flash_msa.msa.block_scores")  # the module, not the op
+
+Q_BLOCK, KV_BLOCK, PACK = 64, 128, 2
+configs = block_scores._configs(KV_BLOCK, Q_BLOCK * PACK)
 for config in (configs[0], configs[-1]):
     for proxies in ("bf16", "fp8e4nv"):  # FP8 scores: e4m3 proxies and their factors
         constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, Q_BLOCK=Q_BLOCK, KV_BLOCK=KV_BLOCK,
-                          PACK=PACK, DOT_PRECISION="tf32", TAIL=module.TAIL_COLUMNS,
+                          PACK=PACK, DOT_PRECISION="tf32", TAIL=block_scores.TAIL_COLUMNS,
                           HAS_DOCUMENTS=False, HAS_Q_BLOCKS=False,
                           SCALED=proxies == "fp8e4nv", **config.kwargs)
-        signature = {
-            arg: "constexpr" if arg in constexprs
-            else f"*{proxies}" if arg in ("q_proxy", "k_proxy")
-            else "*fp32" if arg in ("scores", "q_scales", "k_scales")
-            else "*i32" if arg in ("documents", "q_blocks")
-            else "fp32" if arg == "scale"
-            else "i32"
-            for arg in module._block_scores_kernel.arg_names
-        }
-        compiled = triton.compile(
-            ASTSource(module._block_scores_kernel, signature, constexprs),
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
-        )
-        ptx = compiled.asm["ptx"]
-        path = os.path.join(sys.argv[1], "block_scores.ptx")
-        open(path, "w").write(ptx)
-        report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
-                                capture_output=True, text=True)
-        if report.returncode:
-            sys.exit(report.stderr[-3000:])
-        spills = re.search(r"(\\d+) bytes spill stores", report.stderr).group(1)
-        print("wgmma" in ptx, "e4m3" in ptx, spills)
+        types = dict(q_proxy=f"*{proxies}", k_proxy=f"*{proxies}", scores="*fp32",
+                     q_scales="*fp32", k_scales="*fp32", documents="*i32", q_blocks="*i32",
+                     scale="fp32")
+        print(json.dumps(compile_for_sm90(block_scores._block_scores_kernel, constexprs, types,
+                                          config.num_warps, config.num_stages, sys.argv[1])))
 """
 
 
-def test_block_scores_kernel_compiles_for_hopper(tmp_path):
+def test_block_scores_kernel_compiles_for_hopper(sm90):
     """The interpreter never reaches GPU code generation: compile the first and last
     autotune configs for sm_90 (bf16 and FP8 scores, D_p = 128) with the ptxas Triton
     bundles; tensor cores (wgmma, e4m3 ones for FP8) and no register spills."""
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this Triton build bundles no ptxas")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    expected = ["True", "False", "0", "True", "True", "0"] * 2  # [wgmma, e4m3, spills] each
-    assert result.stdout.split() == expected, result.stdout
+    reports = sm90(SM90_COMPILE)
+    got = [(report["wgmma"], report["fp8"], report["spills"]) for report in reports]
+    assert got == [(True, False, 0), (True, True, 0)] * 2, reports

@@ -3,9 +3,6 @@ loop references."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ import torch
 from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
 from flash_msa.msa.fp8 import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
-from flash_msa.testing import PTXAS, fp8_exact_proxies
+from flash_msa.testing import fp8_exact_proxies
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 POISON = 0x5A5A5A5A  # an int32 that is no block index and not -1
@@ -389,53 +386,29 @@ def test_token_selection_layout_rejects_bad_input():
 # ---- sm_90 code without a GPU ------------------------------------------------------------
 # Compiles the kernel at MSA's 1M-token sizes (bf16, D_p 128, kv_block 128, top_k 16, 4 proxy
 # heads on one key head) for each [BLOCK_M, warps, stages, proxies' Triton dtype] of argv[2]
-# (fp8e4nv: FP8 scores, with the blocks' factors); pointers and strides
-# are specialised as divisible by 16, as the launcher does for such tensors (without that
-# the key loads are not pipelined). Prints one JSON report per config.
+# (fp8e4nv: FP8 scores, with the blocks' factors), pointers and strides divisible by 16 as
+# the launcher specialises them. Prints one JSON report per config.
 SM90_COMPILE = """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from flash_msa.msa import token_selection
-from flash_msa.testing import assemble_for_sm90
+from flash_msa.testing import compile_for_sm90
 
-kernel = token_selection._token_selection_kernel
 for block_m, warps, stages, scores in json.loads(sys.argv[2]):
     types = dict(q_proxy=f"*{scores}", k_proxy=f"*{scores}", selected="*i32", documents="*i32",
                  document_starts="*i32", q_blocks="*i32", k_scales="*fp32")
     constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK=128, PACK=4, TOP_K=16, SLOTS=16,
                       DOT_PRECISION="tf32", HAS_DOCUMENTS=False, BLOCK_M=block_m, Q_BLOCK=64,
                       HAS_Q_BLOCKS=False, SCALED=scores == "fp8e4nv")
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32")
-                 for arg in kernel.arg_names}
-    aligned = {(index,): [["tt.divisibility", 16]] for index, arg in enumerate(kernel.arg_names)
-               if arg in types or arg.startswith("stride_") or arg == "seq_len"}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
-    report = assemble_for_sm90(compiled.asm["ptx"], sys.argv[1], kernel.__name__)
-    ptx = compiled.asm["ptx"]
-    print(json.dumps(dict(registers=report["registers"], spills=report["spills"],
-                          wgmma="wgmma" in ptx, fp8="e4m3" in ptx, pipelined="cp.async" in ptx)))
+    print(json.dumps(compile_for_sm90(token_selection._token_selection_kernel, constexprs, types,
+                                      warps, stages, sys.argv[1], aligned=True)))
 """
 
 
-def test_select_tokens_kernel_compiles_for_hopper(tmp_path):
+def test_select_tokens_kernel_compiles_for_hopper(sm90):
     """The interpreter never reaches GPU code generation: the 128-row tile compiles for
     sm_90 to tensor cores (wgmma), key tiles loaded ahead (cp.async) and no register
     spills, in bf16 and with FP8 scores (e4m3 wgmma)."""
-    if not os.path.exists(PTXAS):
-        pytest.skip("this Triton build bundles no ptxas")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    configs = json.dumps([[128, 8, 3, "bf16"], [128, 8, 3, "fp8e4nv"]])
-    result = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE, str(tmp_path), configs],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    reports = sm90(SM90_COMPILE, json.dumps([[128, 8, 3, "bf16"], [128, 8, 3, "fp8e4nv"]]))
     assert [report["fp8"] for report in reports] == [False, True]
     for report in reports:
         assert report["wgmma"] and report["pipelined"] and report["spills"] == 0, report

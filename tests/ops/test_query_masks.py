@@ -8,11 +8,7 @@ the explicit element mask: the torch backend in float64, the Triton kernels (the
 on the CPU) in float32."""
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +17,7 @@ from flash_msa import BlockLayout, block_sparse_attn_func, block_sparse_attn_var
 from flash_msa.ops import registry
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.sequences import document_ids_of
-from flash_msa.testing import PTXAS, random_qkv, relative_error
+from flash_msa.testing import random_qkv, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 TOLERANCE = {"torch": 1e-12, "triton": 1e-5}  # float64 (sums in another order), float32
@@ -388,18 +384,11 @@ for name, kernel in (("forward", forward._forward_kernel), ("dkdv", backward._dk
 """
 
 
-def test_kernels_with_query_masks_compile_for_hopper(tmp_path):
+def test_kernels_with_query_masks_compile_for_hopper(sm90):
     """bf16, D = 64, causal with documents and query masks, the first config: the kernels
     compile for sm_90 (the interpreter does not type-check as the compiler does), on tensor
     cores, unspilled."""
-    if not os.path.exists(PTXAS):
-        pytest.skip("this Triton build bundles no ptxas")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    reports = sm90(SM90_SCRIPT)
     assert [report["kernel"] for report in reports] == ["forward", "dkdv"]
     for report in reports:
         assert report["wgmma"], f"{report['kernel']} does not use Hopper tensor cores (wgmma)"

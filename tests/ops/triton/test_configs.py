@@ -5,13 +5,8 @@ Hopper in a subprocess (without TRITON_INTERPRET) with the ptxas Triton bundles.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-from flash_msa.testing import PTXAS
 
 # Compiles kernel variants given as JSON on argv[2]: [[kernel, features, loads, config
 # index or null, unpruned], ...]; prints one JSON report per variant.
@@ -62,26 +57,17 @@ for kernel, features, loads, index, unpruned in json.loads(sys.argv[2]):
 """
 
 
-def compile_variants(tmp_path, variants: list, q_block: int = 64) -> list[dict]:
-    if not os.path.exists(PTXAS):
-        pytest.skip("this Triton build bundles no ptxas")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(variants), str(q_block)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
+def compile_variants(sm90, variants: list, q_block: int = 64) -> list[dict]:
+    return sm90(SCRIPT, json.dumps(variants), str(q_block))
 
 
 @pytest.mark.parametrize("loads", ["pointers", "tma"])
 @pytest.mark.parametrize("features", ["plain", "features"])
-def test_kernels_compile_for_hopper(tmp_path, features, loads):
+def test_kernels_compile_for_hopper(sm90, features, loads):
     """bf16, D = 128, causal + window (plain, then with documents and dropout), first config:
     GQA-packed tiles through pointer loads, unpacked tiles through tensor descriptors."""
     reports = compile_variants(
-        tmp_path, [[kernel, features, loads, None, False] for kernel in ("forward", "dq", "dkdv")]
+        sm90, [[kernel, features, loads, None, False] for kernel in ("forward", "dq", "dkdv")]
     )
     for report in reports:
         name, spills = report["kernel"], report["spills"]
@@ -94,17 +80,17 @@ def test_kernels_compile_for_hopper(tmp_path, features, loads):
         assert spills <= limit, f"{name} spills {spills} bytes of registers"
 
 
-def test_token_rows_dkdv_compiles_for_hopper(tmp_path):
+def test_token_rows_dkdv_compiles_for_hopper(sm90):
     """Rows of one token (q_block 1, 16 heads a token): dK/dV gathers 4 tokens into 64-row
     query tiles, on wgmma, spilling no more than the 64-row tiles of other q blocks."""
-    (report,) = compile_variants(tmp_path, [["dkdv", "plain", "pointers", None, False]], 1)
+    (report,) = compile_variants(sm90, [["dkdv", "plain", "pointers", None, False]], 1)
     assert report["wgmma"], "dkdv over rows of one token does not use wgmma"
     assert report["spills"] <= 1024, f"dkdv spills {report['spills']} bytes of registers"
 
 
 # Each load mode with one tile height (the four pairs take minutes on two cores).
 @pytest.mark.parametrize("loads, q_block", [("pointers", 128), ("tma", 64)])
-def test_shared_memory_need_bounds_every_config(tmp_path, loads, q_block):
+def test_shared_memory_need_bounds_every_config(sm90, loads, q_block):
     """configs.shared_memory_need, by which the lists drop configs that cannot launch, is at
     least what Triton allocates for every config of every kernel at D = 128 (tiles as
     launched: 64 or 128 query rows, TMA or pointer loads) and at most 20 KiB above it; at
@@ -112,17 +98,17 @@ def test_shared_memory_need_bounds_every_config(tmp_path, loads, q_block):
     counts = {
         report["kernel"]: report["count"]
         for report in compile_variants(
-            tmp_path, [[kernel, "plain", loads, 0, True] for kernel in ("forward", "dq", "dkdv")],
+            sm90, [[kernel, "plain", loads, 0, True] for kernel in ("forward", "dq", "dkdv")],
             q_block,
         )
     }  # fmt: skip
     variants = [[kernel, "plain", loads, index, True]
                 for kernel, count in counts.items() for index in range(count)]  # fmt: skip
-    reports = compile_variants(tmp_path, variants, q_block)
+    reports = compile_variants(sm90, variants, q_block)
     for report in reports:
         label = f"{report['kernel']} config {report['index']}"
         assert report["shared"] <= report["need"] <= report["shared"] + 20 * 1024, (label, report)
-    kept = compile_variants(tmp_path, [["forward", "plain", loads, 0, False]], q_block)[0]
+    kept = compile_variants(sm90, [["forward", "plain", loads, 0, False]], q_block)[0]
     fitting = [r for r in reports if r["kernel"] == "forward" and r["need"] <= 232_448]
     assert kept["count"] == len(fitting)
     assert all(r["shared"] <= 232_448 for r in fitting)
