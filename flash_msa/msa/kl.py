@@ -214,7 +214,7 @@ def _kl_rows_kernel(
             kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
             logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, False)
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
-        seen = running_sum > 0
+        seen = running_sum != 0  # != : a NaN input stays NaN
         lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
         grad_q = tl.zeros((Q_BLOCK, PROXY_DIM_PAD), tl.float32)  # [M, D_p]
         coefficient = tl.load(grad_scale)
@@ -243,13 +243,13 @@ def _kl_rows_kernel(
                                  * kp_tile.to(tl.float32)[None, :, :], 1)  # fmt: skip
         else:
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
-        used = teacher > 0  # visible and not underflowed: elsewhere the term is 0
+        used = teacher != 0  # visible and not underflowed (or NaN, kept): elsewhere 0
         log_ratio = tl.log(tl.where(used, teacher, 1.0)) - tl.where(used, logits, 0.0)
         cross += tl.sum(tl.where(used, teacher * log_ratio, 0.0), axis=1)
         teacher_sum += tl.sum(teacher, axis=1)
-    seen = running_sum > 0
+    seen = running_sum != 0
     lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf"))
-    kl = tl.where(teacher_sum > 0, cross + lse_p * teacher_sum, 0.0)
+    kl = tl.where(teacher_sum != 0, cross + lse_p * teacher_sum, 0.0)
     tl.store(lse_proxy + row_stats, lse_p, mask=rows < query_len)
     tl.store(kl_rows + row_stats, kl, mask=rows < query_len)
     if GRAD:

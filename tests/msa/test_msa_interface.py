@@ -126,6 +126,19 @@ def test_kl_tiles_hold_each_tokens_choices(q_block, kv_block, kl_q_block):
     assert torch.equal(_element_mask(kl, 150), _element_mask(main, 150))
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("name", ["q_proxy", "k_proxy", "q", "k"])
+def test_a_nan_input_gives_a_nan_kl(name, granularity):
+    """One NaN element in an input makes kl_loss NaN (as PyTorch's own arithmetic would),
+    never a finite loss that hides it; in q or k it reaches the output too."""
+    tensors = [t.detach() for t in _inputs(1, 150, (4, 2, 2, 1), 16, 16, seed=9)]
+    index = ["q_proxy", "k_proxy", "q", "k"].index(name)
+    tensors[index][0, 70, 0, 3] = float("nan")
+    out, kl_loss = msa_func(*tensors, top_k=2, q_block=16, kv_block=32, granularity=granularity)
+    assert kl_loss.isnan()
+    assert out.isnan().any() == (name in ("q", "k"))
+
+
 def test_warmup_is_dense_causal_with_the_full_kl(poisoned_allocations):
     tensors = _inputs(1, 110, (4, 2, 2, 1), 16, 16, seed=5)
     grad_out = torch.randn(1, 110, 4, 16, generator=torch.Generator().manual_seed(2))
