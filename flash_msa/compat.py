@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa.msa.interface import msa_func
+from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, check_document_ids
 
 KV_BLOCK = 128  # poolside's block size: top_k is a multiple of it
@@ -29,6 +30,12 @@ def _check_tensors(named: dict[str, torch.Tensor]) -> None:
                 f"{name} {list(tensor.shape)} and q {list(named['q'].shape)} must agree in B "
                 "(dim 0) and S (dim 2): inputs are [B, H, S, D]"
             )
+        if 0 in tensor.shape[1:]:
+            raise ValueError(f"{name} {list(tensor.shape)} needs H, S and D of at least 1")
+    for group in (("q", "k", "v"), ("q_proxy", "k_proxy")):
+        if len({named[name].shape[3] for name in group}) > 1:
+            shapes = ", ".join(f"{name} {list(named[name].shape)}" for name in group)
+            raise ValueError(f"{', '.join(group)} must share their head dim (dim 3): {shapes}")
 
 
 def _check_top_k(top_k) -> None:
@@ -91,6 +98,7 @@ def flash_msa_func(
     named = dict(q_proxy=q_proxy, k_proxy=k_proxy, q=q, k=k, v=v)
     _check_tensors(named)
     _check_top_k(top_k)
+    check_softmax_scale("scale", scale)  # named here: msa_func knows it by two names
     batch, heads_q, seq_len, head_dim = q.shape
     if document_ids is not None and cu_seqlens is not None:
         raise ValueError("pass document_ids or cu_seqlens, not both")

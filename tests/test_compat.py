@@ -121,6 +121,13 @@ def test_sgd_steps_match_the_eager_model(poisoned_allocations):
         (dict(document_ids=torch.tensor([[1] * 150 + [0] * 150])), ValueError, "non-decreasing"),
         (dict(document_ids=torch.zeros(1, SEQ_LEN)), TypeError, "int32 or int64"),
         (dict(document_ids=torch.zeros(2, SEQ_LEN, dtype=torch.long)), ValueError, r"\[1, 300\]"),
+        (dict(scale=float("nan")), ValueError, "scale must be a positive finite float"),
+        (dict(scale=-1.0), ValueError, "scale must be a positive finite float"),
+        (dict(q=torch.zeros(1, 4, SEQ_LEN, 0)), ValueError, r"q \[1, 4, 300, 0\] needs H, S and D"),
+        (dict(v=torch.zeros(1, 2, SEQ_LEN, 8)), ValueError,
+         r"q, k, v must share their head dim \(dim 3\): q \[1, 4, 300, 16\]"),
+        (dict(k_proxy=torch.zeros(1, 1, SEQ_LEN, 8)), ValueError,
+         r"q_proxy, k_proxy must share their head dim"),
     ],
 )  # fmt: skip
 def test_flash_msa_func_rejects_bad_input(change, error, match):
