@@ -70,10 +70,12 @@ class _ProjectedAttention(nn.Module):
 
     def project_qkv(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [B, S, embed_dim] -> q [B, S, num_heads, D], k and v [B, S, num_kv_heads, D]."""
-        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim or x.shape[1] == 0:
             raise ValueError(
-                f"x must be [batch, seq_len, embed_dim] with embed_dim = {self.embed_dim}, "
-                f"got shape {list(x.shape)}"
+                f"x must be [batch, seq_len, embed_dim] with embed_dim = {self.embed_dim} and "
+                f"seq_len at least 1, got shape {list(x.shape)}"
             )
         weight = self.qkv_proj.weight
         if x.device != weight.device or (
@@ -175,7 +177,7 @@ class FlashSparseAttention(_ProjectedAttention):
                                          deterministic=self.deterministic)  # fmt: skip
         else:
             out = distributed.block_sparse_attn_cp(q, k, v, cp_plan, group=self.cp_group, **options)
-        return self.out_proj(out.reshape(batch, seq_len, -1))
+        return self.out_proj(out.reshape(batch, seq_len, self.embed_dim))
 
 
 class MSAAttention(_ProjectedAttention):
@@ -307,7 +309,7 @@ class MSAAttention(_ProjectedAttention):
                 q_block=self.q_block, kv_block=self.kv_block, warmup=warmup,
                 granularity=self.granularity, score_dtype=self.score_dtype,
             )  # fmt: skip
-        return self.out_proj(out.reshape(batch, seq_len, -1)), kl_loss
+        return self.out_proj(out.reshape(batch, seq_len, self.embed_dim)), kl_loss
 
     def attend(
         self,

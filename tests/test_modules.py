@@ -113,6 +113,23 @@ def test_layers_refuse_inputs_in_another_dtype_than_their_weights(x):
         assert layers[0](x.float().bfloat16()).shape == (1, 64, 32)
 
 
+@pytest.mark.parametrize("layer_class", ["FlashSparseAttention", "MSAAttention"])
+def test_layers_take_an_empty_batch_and_refuse_what_is_not_a_sequence(layer_class):
+    """B = 0 gives empty outputs; a sequence of no token and an input that is not a tensor
+    get errors that name x."""
+    if layer_class == "MSAAttention":
+        layer = MSAAttention(32, 4, **TINY, device=DEVICE)
+    else:
+        layer = FlashSparseAttention(32, 4, block_size=32, device=DEVICE)
+    result = layer(torch.randn(0, 96, 32, device=DEVICE))
+    out = result[0] if layer_class == "MSAAttention" else result
+    assert out.shape == (0, 96, 32)
+    with pytest.raises(ValueError, match=r"seq_len at least 1, got shape \[2, 0, 32\]"):
+        layer(torch.randn(2, 0, 32, device=DEVICE))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
+        layer(torch.randn(2, 96, 32).numpy())
+
+
 def test_shapes_and_gradient_routing():
     torch.manual_seed(0)
     layer = MSAAttention(32, 4, **TINY, device=DEVICE)
