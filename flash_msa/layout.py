@@ -19,6 +19,30 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def checked_device(device) -> torch.device | None:
+    """device (None, a torch.device, a string such as 'cuda:0', or an int naming a CUDA device)
+    as a torch.device: TypeError or ValueError naming it, also for a CUDA device this machine
+    does not have (where torch would fail deep inside an allocation)."""
+    if device is None:
+        return None
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, str or int, got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"device must name a torch device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise ValueError(
+                f"device {device!r}: this machine has {count} CUDA device(s); pass one of "
+                "them or 'cpu'"
+            )
+    return parsed
+
+
 def check_block_size(name: str, value, sizes: tuple[int, ...] = BLOCK_SIZES) -> int:
     """A block size must be one of sizes (an int, not a float or a bool)."""
     if type(value) is not int or value not in sizes:
@@ -420,8 +444,9 @@ class BlockLayout:
 
     def to(self, device: torch.device | str) -> BlockLayout:
         """The layout on another device (its tensors stay int32)."""
-        if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
-            raise TypeError(f"device must be a torch.device, str or int, got {device!r}")
+        if device is None:
+            raise TypeError("device must be a torch.device, str or int, got None")
+        device = checked_device(device)
         self.check_unchanged()  # the copy skips validation: its source must still be valid
         return BlockLayout(
             self.row_offsets.to(device), self.col_indices.to(device), **self._meta(), validate=False

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from flash_msa import patterns
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, checked_device
 from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
 
 # The name models pass as attn_implementation. transformers (5.x) takes every name holding
@@ -240,13 +240,7 @@ def layout_for(config, layer_idx: int | None, seq_len: int, device=None) -> Bloc
     Returns:
         A BlockLayout over seq_len tokens.
     """
-    try:
-        device = torch.device("cpu") if device is None else torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(
-            f"device must be a torch.device or a string such as 'cpu' or 'cuda:0', got "
-            f"{device!r} ({error})"
-        ) from None
+    device = torch.device("cpu") if device is None else checked_device(device)
     return _layout(_spec_key(_spec_of(config, layer_idx)), seq_len, device)
 
 

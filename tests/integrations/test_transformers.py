@@ -214,7 +214,7 @@ def test_layout_built_once_per_length_and_device(name):
     assert builder.call_count == 1
     layouts = [flash_msa_hf.layout_for(model.config, layer, 56) for layer in (0, 1)]
     assert layouts[0] is layouts[1]
-    with pytest.raises(ValueError, match="device must be a torch.device.*got 'gpu'"):
+    with pytest.raises(ValueError, match="device must name a torch device.*got 'gpu'"):
         flash_msa_hf.layout_for(model.config, 0, 56, device="gpu")
 
 

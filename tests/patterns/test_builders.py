@@ -299,6 +299,36 @@ def test_builder_argument_errors(call, error, match):
         call()
 
 
+BUILDERS_WITH_DEVICE = {
+    "causal": lambda device: patterns.causal(256, device=device),
+    "sliding_window": lambda device: patterns.sliding_window(256, 64, device=device),
+    "global_tokens": lambda device: patterns.global_tokens(256, 16, device=device),
+    "dilated": lambda device: patterns.dilated(256, 64, 2, device=device),
+    "random_blocks": lambda device: patterns.random_blocks(256, 1, device=device),
+    "bigbird": lambda device: patterns.bigbird(256, 64, 16, 1, device=device),
+    "longformer": lambda device: patterns.longformer(256, 64, 16, device=device),
+    "documents": lambda device: patterns.documents(
+        torch.tensor([0, 100, 256], dtype=torch.int32), device=device),
+    "from_dense_mask": lambda device: patterns.from_dense_mask(
+        torch.ones(2, 2, dtype=torch.bool), seq_len_q=256, device=device),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("builder", BUILDERS_WITH_DEVICE)
+@pytest.mark.parametrize(
+    "device, error, match",
+    [
+        ("gpu", ValueError, "device must name a torch device such as 'cpu' or 'cuda:0', got 'gpu'"),
+        ("cuda:63", ValueError, r"device 'cuda:63': this machine has \d+ CUDA device"),
+        (2.5, TypeError, "device must be a torch.device, str or int, got 2.5"),
+    ],
+)
+def test_builders_name_a_bad_device(builder, device, error, match):
+    with pytest.raises(error, match=match):
+        BUILDERS_WITH_DEVICE[builder](device)
+    assert BUILDERS_WITH_DEVICE[builder]("cpu").row_offsets.device.type == "cpu"
+
+
 def test_builders_are_memory_linear_at_a_million_tokens():
     layout = patterns.sliding_window(1 << 20, 4096) | patterns.global_tokens(1 << 20, 128)
     assert layout.nnz == 8192 * 34 - sum(range(1, 34))  # 34 per row once the window is full
