@@ -26,6 +26,11 @@ def group_rank(group: dist.ProcessGroup | None, plan: CpPlan) -> int:
             "context parallelism needs torch.distributed: call "
             "torch.distributed.init_process_group (e.g. under torchrun) first"
         )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup (or None: the default group), got "
+            f"{type(group).__name__}"
+        )
     size = dist.get_world_size(group)
     if size != plan.world_size:
         raise ValueError(

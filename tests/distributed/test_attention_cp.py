@@ -261,10 +261,10 @@ CASES_OF_WORLD = {
 }
 
 
-def _expect_error(name, rank, function, match):
+def _expect_error(name, rank, function, match, kind=ValueError):
     try:
         function()
-    except ValueError as error:
+    except kind as error:
         return [] if match in str(error) else [f"{name}: rank {rank}: wrong message {error}"]
     except Exception:  # noqa: BLE001 - reported to the parent
         return [f"{name}: rank {rank}: {traceback.format_exc()}"]
@@ -297,6 +297,11 @@ def _bad_inputs(rank, world_size):
     failures += _expect_error(
         "world size", rank, lambda: block_sparse_attn_cp(*shards, wrong, backend="torch"),
         f"built for world_size {world_size + 1}",
+    )  # fmt: skip
+    failures += _expect_error(
+        "group", rank, lambda: block_sparse_attn_cp(*shards, plan, group="world"),
+        "group must be a torch.distributed ProcessGroup (or None: the default group), got str",
+        TypeError,
     )  # fmt: skip
     return failures
 
