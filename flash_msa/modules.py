@@ -13,7 +13,7 @@ from flash_msa.distributed.plan import check_balance
 from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import check_score_dtype
-from flash_msa.msa.interface import check_msa_blocks, default_q_block
+from flash_msa.msa.interface import check_granularity, check_msa_blocks, default_q_block
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -189,8 +189,9 @@ class MSAAttention(_ProjectedAttention):
     four by position. Each proxy head picks top_k key blocks (of kv_block positions) for every
     query token (granularity "token", MiniMax's; "block": one choice per query block of
     q_block positions, cheaper and coarser) of its num_heads / num_proxy_heads query heads, and
-    the main attention, always causal, runs over those blocks only. q_block None: 16 for
-    "token" (only the main attention's query tile there), 64 for "block". score_dtype
+    the main attention, always causal, runs over those blocks only. q_block None: msa_func's
+    default (for "token", only the main attention's query tile: 8 where num_heads /
+    num_proxy_heads packs 16 heads or more to a tile, else 16; 64 for "block"). score_dtype
     torch.float8_e4m3fn scores the blocks in FP8 (msa_func's).
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
@@ -226,7 +227,7 @@ class MSAAttention(_ProjectedAttention):
         dtype=None,
     ):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
-        q_block = default_q_block(q_block, granularity)  # checks the granularity
+        check_granularity(granularity)  # first: it sets q_block's default
         check_score_dtype(score_dtype, torch.device("cpu"))  # the GPU: per call
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
@@ -250,6 +251,7 @@ class MSAAttention(_ProjectedAttention):
         for name, dim in (("head_dim", self.head_dim), ("proxy_head_dim", proxy_head_dim)):
             if dim % 2 != 0:
                 raise ValueError(f"{name} {dim} must be even: rotary embeddings rotate pairs")
+        q_block = default_q_block(q_block, granularity, num_heads // num_proxy_heads)
         check_msa_blocks(q_block, kv_block, granularity, num_heads // num_proxy_heads)
         if type(rope_base) not in (int, float) or not math.isfinite(rope_base) or rope_base <= 1:
             raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")

@@ -20,7 +20,7 @@ from flash_msa.distributed import comm
 from flash_msa.distributed.plan import CpPlan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.msa.block_scores import block_scores
-from flash_msa.msa.interface import MsaSelection, check_msa_inputs, default_q_block
+from flash_msa.msa.interface import MsaSelection, check_msa_inputs
 from flash_msa.msa.kl import checked_kl_loss
 from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func
@@ -117,7 +117,7 @@ def msa_func_cp(
             group's size ("headtail" balances MSA's scoring, which grows with position);
             for rows of one token (q_block 1) a plan of patterns.causal(S, q_block=1, ...).
         top_k, q_block, kv_block, softmax_scale, proxy_softmax_scale, warmup, granularity,
-        score_dtype: as msa_func (q_block None: 16 for "token", 64 for "block", the plan's).
+        score_dtype: as msa_func (q_block None: the plan's).
         cu_seqlens: int32 [N + 1], the documents packed in every row of the whole
             sequence (the same on every rank; ends at S): nothing crosses a document.
 
@@ -131,9 +131,12 @@ def msa_func_cp(
         >>> index = plan.token_index(rank)
         >>> out, kl = msa_func_cp(*(t[:, index] for t in (qp, kp, q, k, v)), plan)
     """
-    q_block = default_q_block(q_block, granularity)
-    check_msa_inputs(q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale,
-                     None, granularity, score_dtype, warmup)  # fmt: skip
+    if q_block is None and isinstance(plan, CpPlan):  # the plan's tiles
+        q_block = plan.layout.q_block
+    q_block = check_msa_inputs(
+        q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, None,
+        granularity, score_dtype, warmup,
+    )  # fmt: skip
     _check_plan(plan, q_block, kv_block)
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:

@@ -253,7 +253,7 @@ def convert_to_msa(
             a multiple of the key-value heads. One proxy key head serves them all.
         proxy_head_dim: the proxy heads' dim (even: rotary embeddings rotate pairs).
         q_block, kv_block: msa_func's block sizes, q_block <= kv_block (None: msa_func's
-            default for the granularity: 16 for "token", 64 for "block").
+            default for the granularity and the model's query heads per proxy head).
         granularity: msa_func's: "token" (each token's own blocks, MiniMax's) or "block"
             (one choice per query block, cheaper).
         score_dtype: msa_func's: None, or torch.float8_e4m3fn for FP8 selection scores.
@@ -275,9 +275,15 @@ def convert_to_msa(
             f"model must be a transformers PreTrainedModel, got {type(model).__name__}; for a "
             "model of your own use flash_msa.MSAAttention"
         )
+    heads_q = getattr(model.config, "num_attention_heads", None)
+    heads_per_proxy = (  # None where the layers' checks will name what is wrong
+        heads_q // num_proxy_heads
+        if all(type(n) is int and n > 0 for n in (heads_q, num_proxy_heads))
+        and heads_q % num_proxy_heads == 0 else None
+    )  # fmt: skip
     settings = dict(
         top_k=top_k, num_proxy_heads=num_proxy_heads, proxy_head_dim=proxy_head_dim,
-        q_block=default_q_block(q_block, granularity), kv_block=kv_block,
+        q_block=default_q_block(q_block, granularity, heads_per_proxy), kv_block=kv_block,
         granularity=granularity, score_dtype=_score_dtype_name(score_dtype),
         rope_base=_rope_base(model.config), warmup=False,
     )  # fmt: skip

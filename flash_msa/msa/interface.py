@@ -22,8 +22,10 @@ from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 GRANULARITIES = ("token", "block")
 # q_block by default: block's selection unit; token's main attention tile (16 tokens, GQA-
-# packed to 64 rows, hold a smaller union of choices than 64: docs/performance.md).
+# packed to 64 rows, hold a smaller union of choices than 64; 8 tokens where a proxy head's
+# query heads pack 16 or more to a tile: docs/performance.md).
 DEFAULT_Q_BLOCKS = {"token": 16, "block": 64}
+WIDE_TILE_Q_BLOCK, WIDE_TILE_HEADS = 8, 16  # token tiles of 8 tokens x 16 or more heads
 MIN_KL_Q_BLOCK = 16  # tokens per KL query tile under granularity "token" (see kl_q_block)
 
 
@@ -32,11 +34,22 @@ def check_granularity(granularity) -> None:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
-def default_q_block(q_block: int | None, granularity: str) -> int:
+def default_q_block(q_block: int | None, granularity: str, heads_per_proxy: int | None = None
+                    ) -> int:  # fmt: skip
     """q_block, or the granularity's default where it is None (the granularity checked
-    first, so that a wrong one is named rather than a block size it implies)."""
+    first, so that a wrong one is named rather than a block size it implies): 64 for
+    "block"; for "token" 8 where the H_q / H_p query heads of a proxy head pack 16 or more
+    to a tile (8 tokens x 16 heads fill the kernels' 128-row tiles, and 8 tokens' union of
+    choices holds fewer blocks than 16's), else 16."""
     check_granularity(granularity)
-    return DEFAULT_Q_BLOCKS[granularity] if q_block is None else q_block
+    if q_block is not None:
+        return q_block
+    if (
+        granularity == "token" and heads_per_proxy is not None
+        and largest_power_of_two_dividing(heads_per_proxy) >= WIDE_TILE_HEADS
+    ):  # fmt: skip
+        return WIDE_TILE_Q_BLOCK
+    return DEFAULT_Q_BLOCKS[granularity]
 
 
 class MsaSelection(NamedTuple):
@@ -67,19 +80,22 @@ def check_msa_inputs(
     granularity="token",
     score_dtype=None,
     warmup=False,
-) -> None:
-    """msa_func's checks of its tensors and options (TypeError / ValueError naming them)."""
+) -> int:
+    """msa_func's checks of its tensors and options (TypeError / ValueError naming them);
+    returns q_block, its default (default_q_block) where it is None."""
+    check_granularity(granularity)  # first: it sets q_block's default
     if not isinstance(warmup, bool):
         raise TypeError(f"warmup must be a bool, got {warmup!r}")
     rank = 3 if cu_seqlens is not None else 4
     check_tensors(dict(q_proxy=q_proxy, q=q), dict(k_proxy=k_proxy, k=k, v=v), rank=rank)
-    heads_q, heads_proxy = q.shape[-2], q_proxy.shape[-2]
+    heads_per_proxy = q.shape[-2] // q_proxy.shape[-2]
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    check_granularity(granularity)
     check_score_dtype(score_dtype, q.device)
-    check_msa_blocks(q_block, kv_block, granularity, heads_q // heads_proxy)
+    q_block = default_q_block(q_block, granularity, heads_per_proxy)
+    check_msa_blocks(q_block, kv_block, granularity, heads_per_proxy)
     check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
+    return q_block
 
 
 def check_msa_blocks(q_block, kv_block, granularity: str, heads_per_proxy: int | None = None
@@ -319,7 +335,8 @@ def msa_func(
         top_k: key blocks per token (or query block) and proxy head, its own included.
         q_block, kv_block: block sizes, q_block <= kv_block (MiniMax: 64 and 128); for
             granularity "token" q_block is only the main attention's query tile, at most 64
-            (the KL's holds kl_q_block tokens; None: 16 for "token", 64 for "block");
+            (the KL's holds kl_q_block tokens; None: default_q_block's, for "token" 8 where
+            H_q / H_p packs 16 query heads or more to a tile, else 16, and 64 for "block");
             "token" also takes q_block 1, a row per token over exactly its blocks, where
             H_q / H_p packs 16 query heads or more.
         softmax_scale, proxy_softmax_scale: default 1 / sqrt(D) and 1 / sqrt(D_p).
@@ -344,8 +361,7 @@ def msa_func(
         >>> out, kl_loss = msa_func(q_proxy, k_proxy, q, k, v, top_k=16)
         >>> (task_loss(out) + 0.1 * kl_loss).backward()
     """
-    q_block = default_q_block(q_block, granularity)
-    check_msa_inputs(
+    q_block = check_msa_inputs(
         q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens,
         granularity, score_dtype, warmup,
     )  # fmt: skip

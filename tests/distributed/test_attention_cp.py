@@ -238,7 +238,9 @@ def _check_msa_case(name, rank, world_size):
     plan = cp_plan(layout, world_size, balance="headtail")
     index = plan.token_index(rank)
     shards = [t[:, index].clone().requires_grad_() for t in whole]
-    out_cp, kl_cp = msa_func_cp(*shards, plan, **blocks, cu_seqlens=cu_seqlens, **options)
+    # q_block left out: msa_func_cp takes the plan's
+    out_cp, kl_cp = msa_func_cp(*shards, plan, kv_block=32, top_k=2, cu_seqlens=cu_seqlens,
+                                **options)  # fmt: skip
     (out_cp * grad_out[:, index]).sum().add(kl_cp).backward()
     failures = []
     pairs = [("out", out_cp, out[:, index]), ("kl", kl_cp, kl)]

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from flash_msa import MSAAttention
 from flash_msa.msa import msa_func, msa_reference
 from flash_msa.msa.fp8 import FP8
 from flash_msa.msa.interface import GRANULARITIES, select
@@ -137,6 +138,23 @@ def test_a_nan_input_gives_a_nan_kl(name, granularity):
     out, kl_loss = msa_func(*tensors, top_k=2, q_block=16, kv_block=32, granularity=granularity)
     assert kl_loss.isnan()
     assert out.isnan().any() == (name in ("q", "k"))
+
+
+@pytest.mark.parametrize(
+    "heads, q_block",
+    [((16, 1, 1, 1), 8), ((32, 2, 2, 1), 8), ((24, 1, 1, 1), 16), ((8, 1, 1, 1), 16)],
+)
+def test_default_token_tiles_follow_the_heads_a_proxy_head_packs(heads, q_block):
+    """q_block None: tiles of 8 tokens where a proxy head's query heads pack 16 or more to a
+    tile (24 heads pack 8), else 16; the layer takes the same default."""
+    tensors = _inputs(1, 40, heads, 16, 16)
+    _, _, selection = msa_func(*tensors, top_k=2, kv_block=32, return_selection=True)
+    assert selection.layout.q_block == q_block
+    layer = MSAAttention(16 * heads[0], heads[0], num_kv_heads=heads[1],
+                         num_proxy_heads=heads[2], proxy_head_dim=16)  # fmt: skip
+    assert layer.q_block == q_block
+    assert MSAAttention(16 * heads[0], heads[0], num_kv_heads=heads[1], num_proxy_heads=heads[2],
+                        granularity="block").q_block == 64  # fmt: skip
 
 
 def test_warmup_is_dense_causal_with_the_full_kl(poisoned_allocations):
