@@ -469,18 +469,26 @@ def speedups(records: list[dict]) -> None:
 
 def source_commit() -> str:
     """FLASH_MSA_COMMIT where set (a copied tree's .git may be stale or absent), else git's
-    short HEAD of the repository this package sits in, else "unknown"."""
+    short HEAD of the repository this package sits in, with "+modified" where the package's
+    files differ from it (uncommitted changes, or a .git older than the tree), else
+    "unknown"."""
     if os.environ.get("FLASH_MSA_COMMIT"):
         return os.environ["FLASH_MSA_COMMIT"]
     root = pathlib.Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              timeout=10)  # fmt: skip
+
     try:
-        top, head = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=root,
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout.split()  # fmt: skip
+        found = git("rev-parse", "--show-toplevel", "--short", "HEAD")
+        top, head = found.stdout.split() if found.returncode == 0 else ("", "")
+        if not head or pathlib.Path(top).resolve() != root:
+            return "unknown"
+        changed = git("diff", "--quiet", "HEAD", "--", "flash_msa").returncode != 0
     except (OSError, ValueError, subprocess.SubprocessError):
         return "unknown"
-    return head if pathlib.Path(top).resolve() == root else "unknown"
+    return f"{head}+modified" if changed else head
 
 
 def device_metadata(device: torch.device) -> dict:

@@ -148,3 +148,29 @@ def test_timed_clears_gradients_before_every_call(device, monkeypatch):
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
     result = bench.timed(step, [x], device=device)
     assert result["ms"] > 0 and len(seen) >= 4 and all(seen), seen
+
+
+@pytest.mark.parametrize(
+    "diff_rc, environment, expected",
+    [(0, None, "abc1234"), (1, None, "abc1234+modified"), (1, "f00d", "f00d")],
+)
+def test_source_commit_marks_a_tree_that_differs_from_head(
+    monkeypatch, diff_rc, environment, expected
+):
+    """HEAD names the sources only where the package's files equal it: a copied tree whose
+    .git is older than its files is recorded as HEAD+modified; FLASH_MSA_COMMIT wins."""
+    root = Path(bench.__file__).resolve().parents[1]
+
+    def fake_git(command, **kwargs):
+        assert command[0] == "git" and kwargs["cwd"] == root
+        if command[1] == "rev-parse":
+            return bench.subprocess.CompletedProcess(command, 0, f"{root}\nabc1234\n", "")
+        assert command[1:] == ["diff", "--quiet", "HEAD", "--", "flash_msa"]
+        return bench.subprocess.CompletedProcess(command, diff_rc, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_git)
+    if environment is None:
+        monkeypatch.delenv("FLASH_MSA_COMMIT", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_MSA_COMMIT", environment)
+    assert bench.source_commit() == expected
