@@ -19,6 +19,7 @@ from unittest import mock
 
 import bench_msa
 import torch
+from common import median_ms
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.bench import parse_length
@@ -26,20 +27,6 @@ from flash_msa.msa import kl, proxy_kl_loss
 
 CASES = {"local": [("token", 1), ("token", 4), ("token", 8), ("token", 16), ("block", 64)],
          "random": [("token", 1), ("block", 64)]}  # fmt: skip
-
-
-def median_ms(function, repeats: int = 3) -> float:
-    """Median of `repeats` timed calls after an untimed one, by CUDA events."""
-    function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[repeats // 2]
 
 
 def entry_choices(q_block: int, every: bool) -> list[int]:

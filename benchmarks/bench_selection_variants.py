@@ -21,6 +21,7 @@ import tempfile
 
 import bench_msa
 import torch
+from common import median_ms
 
 from flash_msa.bench import parse_length
 from flash_msa.msa.fp8 import FP8
@@ -57,18 +58,6 @@ def load_variant(name: str, folder: pathlib.Path):
     return module
 
 
-def median_ms(function, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[repeats // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=parse_length, default=parse_length("512k"))
@@ -90,7 +79,7 @@ def main() -> None:
                 )  # fmt: skip
 
                 selected = select()
-                ms = median_ms(select)
+                ms = median_ms(select, repeats=5)
                 if name == "A":
                     expected[scores] = selected
                 equal = "-" if name == "B" or scores not in expected else (

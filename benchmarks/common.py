@@ -91,6 +91,20 @@ random_inputs = functools.partial(bench.random_inputs, head_dim=HEAD_DIM, dtype=
 # ---- peers ---------------------------------------------------------------------------
 
 
+def median_ms(function, repeats: int = 3) -> float:
+    """Median of `repeats` timed calls after an untimed one, by CUDA events."""
+    function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[repeats // 2]
+
+
 def selection_agreement(expected: torch.Tensor, actual: torch.Tensor, chunk: int = 1 << 16):
     """Share of expected's kept blocks (select_tokens' [B, H_p, S, top_k], -1 padding) that
     actual's row also holds, a chunk of tokens at a time; a float in [0, 1]."""
