@@ -4,11 +4,14 @@ bench_msa's local proxies (bf16 and FP8 scores, H_p 4, H_pk 1, D_p 128, top_k 16
 
     python3 benchmarks/bench_selection_variants.py [--seq-len 512k] [--variants A,B,C]
 
-A: flash_msa/msa/token_selection.py as it stands.
+A: the Triton kernel of flash_msa/msa/token_selection.py as it stands.
 B: without the running top-k (each block's row maxima only folded into one running max):
    A minus B is the top-k's share.
 C: the top-k update skipped when no row of the program takes the block (one reduction over
    the program's rows, and so one barrier, per block); checked equal to A.
+G: select_tokens as it runs on sm_90, the Gluon kernel (token_selection_gluon.py); checked
+   equal to A.
+A, B and C run the Triton kernel wherever the Gluon one would take the call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import importlib.util
 import pathlib
 import tempfile
+import types
 
 import bench_msa
 import torch
@@ -27,11 +31,11 @@ from flash_msa.bench import parse_length
 from flash_msa.msa.fp8 import FP8
 
 SOURCE = (pathlib.Path(__file__).parents[1] / "flash_msa/msa/token_selection.py").read_text()
-UPDATE = """        slot_scores, slot_blocks, worst = _enter_block(
-            slot_scores, slot_blocks, worst, score, block, live, SLOTS
+UPDATE = """        slot_scores, slot_blocks, worst = enter_block(
+            slot_scores, slot_blocks, worst, score, block, slots, TOP_K
         )
 """
-AFTER_WALK = "    # The own block takes the first dead slot."
+AFTER_WALK = "    blocks, columns = ranked_blocks("
 VARIANTS = {
     "A": SOURCE,
     "B": SOURCE.replace(UPDATE, "        worst = tl.maximum(worst, score)\n").replace(
@@ -44,6 +48,7 @@ VARIANTS = {
         "        if tl.max((score > worst).to(tl.int32)) > 0:\n"
         + "".join("    " + line + "\n" for line in UPDATE.splitlines()),
     ),
+    "G": SOURCE,
 }
 
 
@@ -55,6 +60,8 @@ def load_variant(name: str, folder: pathlib.Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # Triton reads the kernels' source from the file
+    if name != "G":
+        module.token_selection_gluon = types.SimpleNamespace(supports=lambda *args: False)
     return module
 
 

@@ -37,7 +37,9 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
+from flash_msa.msa import token_selection_gluon
 from flash_msa.msa.fp8 import FP8, check_score_dtype, quantize_proxies
+from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows, strides
 from flash_msa.patterns.topk import check_query_blocks
@@ -45,7 +47,6 @@ from flash_msa.sequences import check_document_ids
 
 MAX_PACK = 4  # proxy heads per program: a 64-row tile still spans 16 tokens
 MAX_MASK_QUERIES = 64  # query_masks are int64: one bit per query of a tile
-_EMPTY: tl.constexpr = tl.constexpr(1 << 30)  # empty slots rank after every block
 
 
 @triton.jit
@@ -77,21 +78,6 @@ def _block_max(
     if SCALED:  # a positive factor: the max of the scaled logits is the scaled max
         block_max *= tl.load(k_scales + kv_first // KV_BLOCK)
     return block_max
-
-
-@triton.jit
-def _enter_block(slot_scores, slot_blocks, worst, score, block, live, SLOTS: tl.constexpr):
-    """Put kv block `block` into the rows whose worst slot its score [BLOCK_M] beats; returns
-    the updated [BLOCK_M, SLOTS] scores and blocks and the rows' new worst scores."""
-    # A slot's key is unique within its row (empty slots hold block -1) and grows with the
-    # block index: the victim is the highest key among the live slots at the worst score.
-    slot_keys = slot_blocks * SLOTS + tl.arange(0, SLOTS)[None, :]  # [BLOCK_M, SLOTS]
-    at_worst = live[None, :] & (slot_scores == worst[:, None])  # [BLOCK_M, SLOTS]
-    victims = tl.max(tl.where(at_worst, slot_keys, -SLOTS - 1), axis=1)  # [BLOCK_M]
-    replace = (slot_keys == victims[:, None]) & (score > worst)[:, None]  # [BLOCK_M, SLOTS]
-    slot_scores = tl.where(replace, score[:, None], slot_scores)
-    slot_blocks = tl.where(replace, block, slot_blocks)
-    return slot_scores, slot_blocks, tl.min(slot_scores, axis=1)
 
 
 @triton.jit
@@ -162,12 +148,9 @@ def _token_selection_kernel(
         start_block = tl.min(row_starts) // KV_BLOCK
 
     slots = tl.arange(0, SLOTS)  # [SLOTS]
-    live = slots < TOP_K - 1  # slots of other blocks; the rest stay +inf, never a victim
-    slot_scores = tl.broadcast_to(
-        tl.where(live, float("-inf"), float("inf"))[None, :], (BLOCK_M, SLOTS)
-    )  # [BLOCK_M, SLOTS]
-    slot_blocks = tl.full((BLOCK_M, SLOTS), -1, tl.int32)  # [BLOCK_M, SLOTS]
-    worst = tl.min(slot_scores, axis=1)  # [BLOCK_M]
+    slot_scores, slot_blocks, worst = empty_slots(
+        slots, tl.zeros((BLOCK_M, SLOTS), tl.float32), TOP_K
+    )  # [BLOCK_M, SLOTS] x2, [BLOCK_M]
     for block in range(start_block, last_block):
         block_max = _block_max(
             q_tile, k_base, stride_k_s, k_scales, block * KV_BLOCK, documents, row_documents,
@@ -176,19 +159,11 @@ def _token_selection_kernel(
         # Rows whose own block this is (or is before) do not rank it: tiles of more tokens
         # than a kv block span several own blocks.
         score = tl.where((block < own_blocks) & row_valid, block_max, float("-inf"))
-        slot_scores, slot_blocks, worst = _enter_block(
-            slot_scores, slot_blocks, worst, score, block, live, SLOTS
+        slot_scores, slot_blocks, worst = enter_block(
+            slot_scores, slot_blocks, worst, score, block, slots, TOP_K
         )
 
-    # The own block takes the first dead slot. Each slot's column is its rank among the
-    # row's slots, empty ones (-1) ordered after every block by their position: all values
-    # of a row differ, so the ranks are a permutation and every column is written.
-    blocks = tl.where((slots == TOP_K - 1)[None, :], own_blocks[:, None], slot_blocks)
-    order = tl.where(blocks < 0, _EMPTY + slots[None, :], blocks)  # [BLOCK_M, SLOTS]
-    columns = tl.zeros((BLOCK_M, SLOTS), tl.int32)  # [BLOCK_M, SLOTS]
-    for other in tl.static_range(SLOTS):  # one slot at a time: no [BLOCK_M, SLOTS, SLOTS]
-        value = tl.sum(tl.where(slots[None, :] == other, order, 0), axis=1)  # [BLOCK_M]
-        columns += (value[:, None] < order).to(tl.int32)
+    blocks, columns = ranked_blocks(slot_blocks, own_blocks, slots, TOP_K)
     out_rows = (
         selected + batch * stride_o_b + heads.to(tl.int64) * stride_o_h
         + rows.to(tl.int64) * stride_o_s
@@ -288,6 +263,10 @@ def _select_tokens(
     batch, seq_len, heads, dim = q_proxy.shape
     group = heads // k_proxy.shape[2]
     pack = _pack(group)
+    if token_selection_gluon.supports(q_proxy, kv_block, document_ids is not None,
+                                      q_blocks is not None):  # fmt: skip
+        token_selection_gluon.select(q_proxy, k_proxy, k_scales, selected, kept=kept, pack=pack)
+        return
 
     def grid(meta):
         return (triton.cdiv(seq_len, meta["BLOCK_M"] // pack), heads // pack, batch)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
+from flash_msa.msa import token_selection_gluon as gluon_selection
 from flash_msa.msa.fp8 import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
 from flash_msa.testing import fp8_exact_proxies
@@ -258,6 +259,60 @@ def test_fp8_scores_on_gpu(geometry):
     expected = select_tokens_reference(q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
                                        document_ids=document_ids)  # fmt: skip
     assert torch.equal(selected, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize(
+    "geometry",
+    [(2, 1000, 4, 1, 128, 16), (1, 5000, 4, 2, 128, 16), (1, 4099, 4, 4, 64, 16),
+     (1, 129, 4, 1, 128, 16), (1, 3000, 2, 1, 128, 4), (1, 700, 4, 1, 128, 40)],
+    ids=str,
+)  # fmt: skip
+def test_gluon_selection_equals_the_triton_kernel(geometry, scores, monkeypatch):
+    """On sm_90 select_tokens runs the Gluon kernel: on random (inexact) proxies its choices
+    are the Triton kernel's, bit for bit (the same products, maxima and top-k), for 1, 2
+    and 4 proxy heads a key head, D_p 64 and 128, ragged lengths, top_k 4 to 40."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon selection runs on sm_90")
+    batch, seq_len, heads, heads_keys, dim, top_k = geometry
+    generator = torch.Generator().manual_seed(seq_len)
+    dtype = torch.float16 if scores == "fp16" else torch.bfloat16
+    q_proxy, k_proxy = (
+        torch.randn(batch, seq_len, count, dim, generator=generator).to(DEVICE, dtype)
+        for count in (heads, heads_keys)
+    )
+    options = dict(top_k=top_k, kv_block=128, score_dtype=FP8 if scores == "fp8" else None)
+    assert gluon_selection.supports(q_proxy, 128, documents=False, q_blocks=False)
+    selected = select_tokens(q_proxy, k_proxy, **options)
+    monkeypatch.setattr(gluon_selection, "supports", lambda *args, **kwargs: False)
+    assert torch.equal(selected, select_tokens(q_proxy, k_proxy, **options))
+
+
+def test_gluon_selection_is_refused_off_sm90():
+    """Without an sm_90 GPU (here: the CPU) select_tokens takes the Triton kernel."""
+    q_proxy = torch.zeros(1, 256, 4, 128, dtype=torch.bfloat16)
+    assert not gluon_selection.supports(q_proxy, 128, documents=False, q_blocks=False)
+
+
+GLUON_SM90_COMPILE = """
+import json, sys
+from flash_msa.msa import token_selection_gluon
+for scores, proxy_dim in (("bf16", 128), ("fp8e4nv", 128), ("fp16", 64)):
+    report = token_selection_gluon.compile_for_sm90(sys.argv[1], scores, proxy_dim)
+    print(json.dumps(dict(report, name=f"{scores} D_p {proxy_dim}")))
+"""
+
+
+def test_gluon_selection_compiles_for_hopper(sm90):
+    """The Gluon kernel for sm_90 (no GPU needed): warp-specialised (setmaxnreg), on
+    warpgroup MMAs, without spills, and each product in flight while the block before it
+    enters the top-k (row maxima between a product's issue and its wait)."""
+    reports = sm90(GLUON_SM90_COMPILE)
+    assert len(reports) == 3
+    for report in reports:
+        assert report["wgmma"] and report["spills"] == 0, report
+        assert report["setmaxnreg"] and report["maxima_under_products"] >= 32, report
 
 
 # ---- token_selection_layout ------------------------------------------------------------------

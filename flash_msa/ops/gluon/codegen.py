@@ -32,10 +32,13 @@ def available() -> str | None:
     return None
 
 
-def _descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
+def descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
+    """The signature type of a TMA descriptor argument of blocks [rows, head_dim] in the
+    default NVMMA shared layout ("bf16", "fp16", "fp32" or "fp8e4nv")."""
     from triton.experimental.gluon import language as gl
 
-    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32,
+               "fp8e4nv": gl.float8e4nv}[dtype]  # fmt: skip
     layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
     return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
@@ -59,6 +62,22 @@ def overlapped_exponentials(sass: str) -> int:
             elif count is not None:
                 best, count = max(best, count), None
         elif count is not None and "MUFU.EX2" in line:
+            count += 1
+    return best
+
+
+def instructions_under_mma(sass: str, opcode: str) -> int:
+    """The most `opcode` instructions that sit between the issue of a warpgroup MMA (HGMMA,
+    QGMMA for FP8) and the next wait for MMAs (WARPGROUP.DEPBAR): the work that runs while
+    it does."""
+    best, count = 0, None
+    for line in sass.splitlines():
+        if re.search(r"\b[HQ]GMMA\.", line):
+            count = 0 if count is None else count
+        elif "WARPGROUP.DEPBAR" in line:
+            if count is not None:
+                best, count = max(best, count), None
+        elif count is not None and re.search(rf"\b{re.escape(opcode)}\b", line):
             count += 1
     return best
 
@@ -92,10 +111,10 @@ def compile_forward(
 
     masks = forward.Masks() if masks is None else masks
     types = dict(
-        q_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
-        o_desc=_descriptor_type(dtype, forward.HALF_M, head_dim),
-        k_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
-        v_desc=_descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        q_desc=descriptor_type(dtype, forward.HALF_M, head_dim),
+        o_desc=descriptor_type(dtype, forward.HALF_M, head_dim),
+        k_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        v_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
         lse="*fp32", row_order="*i32", next_tile="*i32", row_offsets="*i32", col_indices="*i32",
         qk_scale="fp32", out=f"*{dtype}",
         document_first="*i32", document_last="*i32",
@@ -105,7 +124,7 @@ def compile_forward(
     turns = "pingpong" if pingpong else "plain"
     programs = "_persistent" if persistent else ""
     name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{programs}{_mask_flags(masks)}"
-    return _compile(forward._forward_kernel, types, constexprs, workdir, name)
+    return compile_kernel(forward._forward_kernel, types, constexprs, workdir, name)
 
 
 def compile_backward(
@@ -119,9 +138,9 @@ def compile_backward(
     masks = forward.Masks() if masks is None else masks
     rows = dict(q_desc=backward.QUERY_ROWS, do_desc=backward.QUERY_ROWS, k_desc=backward.BLOCK_N,
                 v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N, dv_desc=backward.HALF_N)
-    types = {name: _descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
+    types = {name: descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
     types.update(
-        dq_desc=_descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
+        dq_desc=descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
         delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",
@@ -129,15 +148,17 @@ def compile_backward(
     constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q != "triton",
                       ORDERED=grad_q == "ordered", **masks.constexprs())  # fmt: skip
     name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{_mask_flags(masks)}"
-    return _compile(backward._backward_kernel, types, constexprs, workdir, name)
+    return compile_kernel(backward._backward_kernel, types, constexprs, workdir, name)
 
 
 def _mask_flags(masks) -> str:
     return "".join(f"_{name}" for name, value in masks._asdict().items() if value)
 
 
-def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> dict:
-    """Compile a Gluon kernel for sm_90a (arguments not in types are i32) and report."""
+def compile_kernel(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> dict:
+    """Compile a Gluon kernel for sm_90a (arguments not in types are i32; 4 warps a
+    partition's default, at most forward.MAX_REGISTERS registers at launch) and report as
+    compile_forward does."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 

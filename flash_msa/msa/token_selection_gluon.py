@@ -1,0 +1,287 @@
+"""select_tokens' kernel for Hopper (sm_90) in Gluon: the same selection as the Triton
+kernel of token_selection.py (the same running top-k, running_top_k.py, so the same
+choices), with the proxy products on asynchronous warpgroup MMAs that run under the top-k
+work.
+
+A program owns 128 rows, ROWS tokens x PACK proxy heads sharing a proxy key head, as the
+Triton kernel's tiles do, and walks the kv blocks before its last token's own block. Three
+partitions of warps share it (gl.warp_specialize):
+
+- a producer warp issues TMA loads of the proxy key tiles [128, D_p] into a NUM_STAGES-deep
+  shared-memory ring, each slot guarded by a "ready" and an "empty" mbarrier;
+- two consumer warpgroups, each owning 64 of the rows, issue the product of the next block
+  ([64, 128] fp32, an async warpgroup MMA) before they take the row maxima of this block and
+  enter them into the running top-(top_k - 1), so the tensor cores work while they do.
+
+The query rows are loaded once, by the default warps before the partitions split, and kept
+in shared memory. Documents, q_blocks (context parallelism), kv blocks other than 128 and
+D_p other than 64 or 128 take the Triton kernel (supports says which calls this one takes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flash_msa import _env
+from flash_msa.msa.fp8 import FP8
+from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
+
+BLOCK_M = 128  # rows of a program
+HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
+KV_BLOCK = 128
+PROXY_DIMS = (64, 128)
+DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, FP8: gl.float8e4nv}
+NUM_STAGES = 4
+CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
+PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
+# setmaxnreg budgets of the three warpgroups (2 consumers and the producer's): 168 a thread
+# on average (64K registers / 384 threads, rounded down to 8), most of it the consumers'.
+MAX_REGISTERS = 168
+CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(240)
+PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
+
+
+def supports(q_proxy: torch.Tensor, kv_block: int, documents: bool, q_blocks: bool) -> bool:
+    """Whether this kernel takes a select_tokens call (scoring in q_proxy's dtype, FP8
+    included): an sm_90 GPU, fp16 / bf16 / e4m3 proxies of D_p 64 or 128, kv_block 128, no
+    documents and no q_blocks, B * S below 2^31 (TMA coordinates)."""
+    batch, seq_len = q_proxy.shape[:2]
+    return (
+        q_proxy.device.type == "cuda" and not _env.interpreting()
+        and _env.capability(q_proxy.device) == (9, 0) and q_proxy.dtype in DTYPES
+        and q_proxy.shape[3] in PROXY_DIMS and kv_block == KV_BLOCK
+        and not documents and not q_blocks and batch * seq_len < 2**31
+    )  # fmt: skip
+
+
+def slot_count(kept: int) -> int:
+    """Columns of the running top-k's tiles: a power of two holding the kept blocks, at least
+    8 (the narrowest warpgroup MMA tile, whose layout the slot tiles take); the slots past
+    top_k - 1 stay empty."""
+    return max(8, triton.next_power_of_2(kept))
+
+
+@gluon.constexpr_function
+def _mma_layout(columns, dtype):
+    """The accumulator layout of a [64, columns] warpgroup MMA over one warpgroup (also the
+    slot tiles' layout, whose rows then sit where the products' row maxima do)."""
+    instr_k = 256 // dtype.primitive_bitwidth
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, instr_k]
+    )
+
+
+@gluon.constexpr_function
+def _q_load_layout(proxy_dim, warps):
+    """A [BLOCK_M, D_p] tile over `warps` warps in runs of 16 bytes along D_p."""
+    return gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[32 // (proxy_dim // 8), proxy_dim // 8],
+        warps_per_cta=[warps, 1], order=[1, 0],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _producer(k_desc, k_smem, k_ready, k_empty, key_row, key_column, blocks):
+    """The producer warp: proxy key tiles 0 .. blocks - 1 into the ring."""
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    for block in range(blocks):
+        stage = block % NUM_STAGES
+        # A fresh barrier counts as having completed the phase before 0: the first waits
+        # pass at once.
+        mbarrier.wait(k_empty.index(stage), ((block // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [key_row + block * KEYS, key_column], k_ready.index(stage), k_smem.index(stage)
+        )
+
+
+@gluon.jit
+def _issue(q, k_smem, k_ready, block, acc):
+    """The async product [64, 128] of block `block` (once its keys have landed), into acc's
+    registers (its values are not read)."""
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    stage = block % NUM_STAGES
+    mbarrier.wait(k_ready.index(stage), (block // NUM_STAGES) & 1)
+    return warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), acc, use_acc=False,
+                         is_async=True)  # fmt: skip
+
+
+@gluon.jit
+def _enter(s, block, top_k, rows, k_scales, TOP_K: gl.constexpr, SCALED: gl.constexpr):
+    """The running top-k after block `block`'s product s [HALF_M, KV_BLOCK] (done): its row
+    maxima, for the rows that rank the block. top_k = (slot_scores, slot_blocks, worst);
+    rows = (own_blocks, row_valid, slots)."""
+    slot_scores, slot_blocks, worst = top_k
+    own_blocks, row_valid, slots = rows
+    block_max = gl.max(s, axis=1)  # [HALF_M]
+    if SCALED:  # a positive factor: the max of the scaled logits is the scaled max
+        block_max = block_max * gl.load(k_scales + block)
+    block_max = gl.convert_layout(block_max, own_blocks.type.layout)
+    score = gl.where((block < own_blocks) & row_valid, block_max, float("-inf"))
+    return enter_block(slot_scores, slot_blocks, worst, score, block, slots, TOP_K)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.constexpr,
+              TOP_K: gl.constexpr, SLOTS: gl.constexpr, PACK: gl.constexpr,
+              SCALED: gl.constexpr):  # fmt: skip
+    """One warpgroup's 64 rows: the walk, then its rows of the output (see _ranked_blocks).
+    Each block's product runs while the block before it enters the top-k. The products
+    alternate between two register tiles, even and odd blocks (a walk of two blocks a step),
+    so that no copy of a tile in flight makes the next product wait; where the walk has no
+    next block, the last one's product runs again, unread (its keys stay in the ring: the
+    producer loads no more)."""
+    first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s = tile_values
+    dtype: gl.constexpr = q_smem.dtype
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    KEYS: gl.constexpr = k_smem.type.shape[1]
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    s_layout: gl.constexpr = _mma_layout(KEYS, dtype)
+    slot_layout: gl.constexpr = _mma_layout(SLOTS, dtype)
+    row_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
+    q = q_smem.index(HALF)  # [HALF_M, D_p]
+    rows = HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)  # [HALF_M] of the tile's 128
+    tokens = first + rows // PACK  # [HALF_M]
+    heads = first_head + rows % PACK  # [HALF_M]
+    row_valid = tokens < seq_len
+    own_blocks = tokens // KEYS  # [HALF_M]
+    slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(0, slot_layout))  # [SLOTS]
+    top_k = empty_slots(slots, gl.zeros([ROWS, SLOTS], gl.float32, slot_layout), TOP_K)
+    row_values = (own_blocks, row_valid, slots)
+    if blocks > 0:
+        last = blocks - 1
+        even = _issue(q, k_smem, k_ready, 0, gl.zeros([ROWS, KEYS], gl.float32, s_layout))
+        odd = gl.zeros([ROWS, KEYS], gl.float32, s_layout)  # [HALF_M, KV_BLOCK]
+        for pair in range(0, blocks, 2):
+            done = warpgroup_mma_wait(0, deps=(even,))
+            mbarrier.arrive(k_empty.index(pair % NUM_STAGES))
+            odd = _issue(q, k_smem, k_ready, gl.minimum(pair + 1, last), odd)
+            top_k = _enter(done, pair, top_k, row_values, k_scales, TOP_K, SCALED)
+            odd = warpgroup_mma_wait(0, deps=(odd,))
+            even = _issue(q, k_smem, k_ready, gl.minimum(pair + 2, last), done)
+            if pair + 1 < blocks:
+                mbarrier.arrive(k_empty.index((pair + 1) % NUM_STAGES))
+                top_k = _enter(odd, pair + 1, top_k, row_values, k_scales, TOP_K, SCALED)
+        warpgroup_mma_wait(0, deps=(even,))
+    ranked, columns = ranked_blocks(top_k[1], own_blocks, slots, TOP_K)
+    out_rows = out_base + heads.to(gl.int64) * stride_o_h + tokens.to(gl.int64) * stride_o_s
+    gl.store(gl.expand_dims(out_rows, 1) + columns, gl.where(ranked < 0, -1, ranked),
+             mask=gl.expand_dims(row_valid, 1) & (columns < TOP_K))  # fmt: skip
+
+
+@gluon.jit
+def _selection_kernel(
+    q_proxy, k_desc, selected, k_scales, stride_q_b, stride_q_s, stride_q_h, stride_ks_b,
+    stride_ks_h, stride_o_b, stride_o_h, stride_o_s, seq_len, proxy_group,
+    PROXY_DIM: gl.constexpr, PACK: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr,
+    SCALED: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Grid (ceil(S / ROWS), H_p / PACK, B), ROWS = 128 / PACK tokens a program, the
+    longest walks first. k_desc: a TMA view [B * S, H_pk * D_p] of the proxy keys in blocks
+    [128, D_p]; k_scales: fp32 [B, H_pk, num_kv_blocks] with SCALED (FP8), else unread."""
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = k_desc.dtype
+    ROWS: gl.constexpr = 128 // PACK
+    tile = (seq_len + ROWS - 1) // ROWS - 1 - gl.program_id(0)
+    first_head = gl.program_id(1) * PACK
+    batch = gl.program_id(2).to(gl.int64)
+    key_head = first_head // proxy_group  # PACK divides the group: one key head for all
+    first = tile * ROWS
+    blocks = (gl.minimum(first + ROWS, seq_len) - 1) // KEYS  # those before the last own block
+
+    # The tile's query rows, once, into shared memory: each consumer's A operand.
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, PROXY_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, PROXY_DIM], q_layout)
+    load_layout: gl.constexpr = _q_load_layout(PROXY_DIM, 4)
+    dims = gl.arange(0, PROXY_DIM, layout=gl.SliceLayout(0, load_layout))  # [D_p]
+    for half in gl.static_range(2):
+        rows = half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, load_layout))
+        tokens = first + rows // PACK  # [HALF_M]
+        offsets = (batch * stride_q_b + tokens.to(gl.int64) * stride_q_s
+                   + (first_head + rows % PACK).to(gl.int64) * stride_q_h)  # fmt: skip
+        q_half = gl.load(q_proxy + gl.expand_dims(offsets, 1) + gl.expand_dims(dims, 0),
+                         mask=gl.expand_dims(tokens < seq_len, 1), other=0.0)  # fmt: skip
+        q_smem.index(half).store(q_half)  # [HALF_M, D_p]
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KEYS, PROXY_DIM], k_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    k_scales += batch * stride_ks_b + key_head * stride_ks_h
+    out_base = selected + batch * stride_o_b
+    tile_values = (first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s)
+    # The default partition (this kernel's 4 warps) is the first consumer.
+    gl.warp_specialize(
+        [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
+                      SLOTS, PACK, SCALED)),
+         (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
+                      SLOTS, PACK, SCALED)),
+         (_producer, (k_desc, k_smem, k_ready, k_empty, gl.program_id(2) * seq_len,
+                      key_head * PROXY_DIM, blocks))],
+        [CONSUMER_WARPS, PRODUCER_WARPS],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+    )  # fmt: skip
+
+
+HALF_M: gl.constexpr = gl.constexpr(HALF_M)
+
+
+def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> None:
+    """Fill selected (int32 [B, H_p, S, top_k], its columns from `kept` on already -1) with
+    the selection of q_proxy [B, S, H_p, D_p] over k_proxy [B, S, H_pk, D_p] (both in the
+    scoring dtype; k_scales fp32 [B, H_pk, num_kv_blocks] for FP8, else None), `pack` proxy
+    heads a program. The caller checked the call (supports)."""
+    batch, seq_len, heads, proxy_dim = q_proxy.shape
+    key_heads = k_proxy.shape[2]
+    k_proxy = k_proxy.contiguous()
+    flat = k_proxy.view(batch * seq_len, key_heads * proxy_dim)
+    block = [KV_BLOCK, proxy_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[k_proxy.dtype])
+    k_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+    scaled = k_scales is not None
+    rows = BLOCK_M // pack
+    grid = (triton.cdiv(seq_len, rows), heads // pack, batch)
+    _selection_kernel[grid](
+        q_proxy=q_proxy, k_desc=k_desc, selected=selected,
+        k_scales=k_scales if scaled else selected,
+        stride_q_b=q_proxy.stride(0), stride_q_s=q_proxy.stride(1), stride_q_h=q_proxy.stride(2),
+        stride_ks_b=k_scales.stride(0) if scaled else 0,
+        stride_ks_h=k_scales.stride(1) if scaled else 0,
+        stride_o_b=selected.stride(0), stride_o_h=selected.stride(1),
+        stride_o_s=selected.stride(2), seq_len=seq_len, proxy_group=heads // key_heads,
+        PROXY_DIM=proxy_dim, PACK=pack, TOP_K=kept, SLOTS=slot_count(kept),
+        SCALED=scaled, NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
+def compile_for_sm90(workdir: str, scores: str = "bf16", proxy_dim: int = 128) -> dict:
+    """Compile the kernel for sm_90a without a GPU (scores "bf16", "fp16" or "fp8e4nv"; 4
+    proxy heads a key head, top_k 16) and report as ops.gluon.codegen.compile_forward does,
+    plus "maxima_under_products": the most FMNMX (row maxima, top-k) between a product's
+    issue and the next MMA wait (0 if they do not overlap)."""
+    from flash_msa.ops.gluon import codegen
+
+    types = dict(q_proxy=f"*{scores}", k_desc=codegen.descriptor_type(scores, KV_BLOCK, proxy_dim),
+                 selected="*i32", k_scales="*fp32")  # fmt: skip
+    constexprs = dict(PROXY_DIM=proxy_dim, PACK=4, TOP_K=16, SLOTS=16,
+                      SCALED=scores == "fp8e4nv", NUM_STAGES=NUM_STAGES)  # fmt: skip
+    report = codegen.compile_kernel(_selection_kernel, types, constexprs, workdir,
+                                    f"token_selection_{scores}_d{proxy_dim}")  # fmt: skip
+    with open(report["sass"]) as handle:
+        report["maxima_under_products"] = codegen.instructions_under_mma(handle.read(), "FMNMX")
+    return report
