@@ -248,7 +248,8 @@ def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> Non
     heads a program. The caller checked the call (supports)."""
     batch, seq_len, heads, proxy_dim = q_proxy.shape
     key_heads = k_proxy.shape[2]
-    k_proxy = k_proxy.contiguous()
+    if not k_proxy.is_contiguous() or k_proxy.data_ptr() % 16:  # TMA: dense rows, aligned
+        k_proxy = k_proxy.clone(memory_format=torch.contiguous_format)
     flat = k_proxy.view(batch * seq_len, key_heads * proxy_dim)
     block = [KV_BLOCK, proxy_dim]
     layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[k_proxy.dtype])
