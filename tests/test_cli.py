@@ -120,3 +120,7 @@ def test_info_lists_versions_device_and_backends(capsys):
     assert (
         "dtypes float16, bfloat16, float32" in printed and "block sizes 16, 32, 64, 128" in printed
     )
+    expected = "triton" if _env.interpreting() else "none"
+    if torch.cuda.is_available():
+        expected = "gluon" if torch.cuda.get_device_capability() == (9, 0) else "triton"
+    assert f"MSA per-token selection here: {expected} (" in printed
