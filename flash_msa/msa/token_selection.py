@@ -22,6 +22,10 @@ block would synchronise the warps once per block). Nothing of size
 With score_dtype float8_e4m3fn the products run in FP8 (msa/fp8.py): a row's own factor
 leaves that row's order alone and is dropped; a kv block's is multiplied into its maximum.
 
+The running top-k is running_top_k.py's. On sm_90 select_tokens runs the Gluon kernel of
+token_selection_gluon.py instead, with the same top-k (so the same choices), where that
+kernel takes the call (token_selection_gluon.supports).
+
 token_selection_layout turns the selection into the BlockLayout of the main attention's
 query tiles plus, per active block, the bit mask of the tile's queries that chose it.
 """

@@ -36,13 +36,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flash_msa import _env
 from flash_msa.msa.fp8 import FP8
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
+from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 BLOCK_M = 128  # rows of a program
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
 KV_BLOCK = 128
 PROXY_DIMS = (64, 128)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, FP8: gl.float8e4nv}
-NUM_STAGES = 4
+NUM_STAGES = 4  # key tiles in flight (deeper rings measured no faster: docs/performance.md)
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
 # setmaxnreg budgets of the three warpgroups (2 consumers and the producer's): 168 a thread
@@ -70,25 +71,6 @@ def slot_count(kept: int) -> int:
     8 (the narrowest warpgroup MMA tile, whose layout the slot tiles take); the slots past
     top_k - 1 stay empty."""
     return max(8, triton.next_power_of_2(kept))
-
-
-@gluon.constexpr_function
-def _mma_layout(columns, dtype):
-    """The accumulator layout of a [64, columns] warpgroup MMA over one warpgroup (also the
-    slot tiles' layout, whose rows then sit where the products' row maxima do)."""
-    instr_k = 256 // dtype.primitive_bitwidth
-    return gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, instr_k]
-    )
-
-
-@gluon.constexpr_function
-def _q_load_layout(proxy_dim, warps):
-    """A [BLOCK_M, D_p] tile over `warps` warps in runs of 16 bytes along D_p."""
-    return gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[32 // (proxy_dim // 8), proxy_dim // 8],
-        warps_per_cta=[warps, 1], order=[1, 0],
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -148,11 +130,11 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     ROWS: gl.constexpr = q_smem.type.shape[1]
     KEYS: gl.constexpr = k_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    s_layout: gl.constexpr = _mma_layout(KEYS, dtype)
-    slot_layout: gl.constexpr = _mma_layout(SLOTS, dtype)
-    row_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
+    s_layout: gl.constexpr = mma_layout(KEYS, dtype)
+    slot_layout: gl.constexpr = mma_layout(SLOTS, dtype)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
     q = q_smem.index(HALF)  # [HALF_M, D_p]
-    rows = HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)  # [HALF_M] of the tile's 128
+    rows = HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)  # [HALF_M] of the tile's 128
     tokens = first + rows // PACK  # [HALF_M]
     heads = first_head + rows % PACK  # [HALF_M]
     row_valid = tokens < seq_len
@@ -204,7 +186,7 @@ def _selection_kernel(
     # The tile's query rows, once, into shared memory: each consumer's A operand.
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, PROXY_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, PROXY_DIM], q_layout)
-    load_layout: gl.constexpr = _q_load_layout(PROXY_DIM, 4)
+    load_layout: gl.constexpr = row_layout(PROXY_DIM)  # [HALF_M, D_p] over 4 warps
     dims = gl.arange(0, PROXY_DIM, layout=gl.SliceLayout(0, load_layout))  # [D_p]
     for half in gl.static_range(2):
         rows = half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, load_layout))

@@ -62,7 +62,6 @@ from flash_msa.ops.gluon.forward import (
     _descriptor,
     _mask_scores,
     _masks,
-    _mma_layout,
     _partial,
     _rows_contiguous,
     _store_rows,
@@ -70,6 +69,7 @@ from flash_msa.ops.gluon.forward import (
     _visible_keys,
     document_bounds,
     kernel_masks,
+    mma_layout,
 )
 from flash_msa.ops.triton.backward import grad_q_and_delta
 from flash_msa.ops.triton.common import layout_arguments
@@ -245,9 +245,9 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     KEYS: gl.constexpr = k_smem.type.shape[0] // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2  # dQ columns of one warpgroup
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(KEYS, dtype)  # [QUERY_ROWS, KEYS] accumulators
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)  # [KEYS, D] accumulators
-    dq_layout: gl.constexpr = _mma_layout(HALF_D, dtype)  # [QUERY_ROWS, D / 2] accumulators
+    s_layout: gl.constexpr = mma_layout(KEYS, dtype)  # [QUERY_ROWS, KEYS] accumulators
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, dtype)  # [KEYS, D] accumulators
+    dq_layout: gl.constexpr = mma_layout(HALF_D, dtype)  # [QUERY_ROWS, D / 2] accumulators
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     k_mine = k_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]
     v_mine = v_smem.slice(HALF * KEYS, KEYS)  # [KEYS, D]

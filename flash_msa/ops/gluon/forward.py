@@ -330,7 +330,7 @@ def _mask_scores(s, partial, key_first, visible, KEY_AXIS: gl.constexpr, MASKS: 
 
 
 @gluon.constexpr_function
-def _mma_layout(columns, dtype):
+def mma_layout(columns, dtype):
     """The accumulator layout of a [64, columns] warpgroup MMA over one warpgroup."""
     instr_k = 256 // dtype.primitive_bitwidth
     return gl.NVMMADistributedLayout(
@@ -353,7 +353,7 @@ def _kv_step(
     KV_ROWS: gl.constexpr = k_smem.type.shape[1]
     dtype: gl.constexpr = q.dtype
     HEAD_DIM: gl.constexpr = q.type.shape[1]
-    o_rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(HEAD_DIM, dtype))
+    o_rows: gl.constexpr = gl.SliceLayout(1, mma_layout(HEAD_DIM, dtype))
     p_layout: gl.constexpr = p_op.type.layout
     stage = count % NUM_STAGES
     phase = (count // NUM_STAGES) & 1
@@ -386,7 +386,7 @@ def _kv_step(
 
 
 @gluon.constexpr_function
-def _row_store_layout(head_dim):
+def row_layout(head_dim):
     """A [64, head_dim] tile over one warpgroup in runs of 8 elements (16 bytes) along D."""
     return gl.BlockedLayout(
         size_per_thread=[1, 8], threads_per_warp=[32 // (head_dim // 8), head_dim // 8],
@@ -400,7 +400,7 @@ def _store_rows(out, tile, first_row, row_count, column, row_stride):
     out (row_stride elements apart) from element `column` on, with masked plain stores."""
     ROWS: gl.constexpr = tile.type.shape[0]
     HEAD_DIM: gl.constexpr = tile.type.shape[1]
-    layout: gl.constexpr = _row_store_layout(HEAD_DIM)
+    layout: gl.constexpr = row_layout(HEAD_DIM)
     values = tile.load(layout)  # [HALF_M, D]
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [HALF_M]
     columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [D]
@@ -432,8 +432,8 @@ def _attend(
     KV_ROWS: gl.constexpr = k_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     dtype: gl.constexpr = q.dtype
-    s_layout: gl.constexpr = _mma_layout(KV_ROWS, dtype)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)
+    s_layout: gl.constexpr = mma_layout(KV_ROWS, dtype)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth
     )
@@ -497,8 +497,8 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype)
-    s_rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(k_smem.type.shape[1], dtype))
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, dtype)
+    s_rows: gl.constexpr = gl.SliceLayout(1, mma_layout(k_smem.type.shape[1], dtype))
     q = q_smem.index(HALF)  # [HALF_M, D]
     o = o_smem.index(HALF)  # [HALF_M, D]
     seq_len_kv, window_left, window_right, document_first, document_last = bounds
