@@ -33,7 +33,8 @@ def checked_device(device) -> torch.device | None:
         raise ValueError(
             f"device must name a torch device such as 'cpu' or 'cuda:0', got {device!r}"
         ) from None
-    if parsed.type == "cuda" and not torch.compiler.is_compiling():  # a traced call's devices exist
+    # torch.cuda.device_count cannot be traced: under torch.compile the eager check is skipped
+    if parsed.type == "cuda" and not torch.compiler.is_compiling():
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (parsed.index or 0) >= count:
             raise ValueError(
