@@ -36,6 +36,25 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def on_tensor_device(function):
+    """`function` (a custom op's implementation, which launches kernels) run with the CUDA
+    device of its first tensor argument current: Triton and Gluon launch on the current
+    device, so a call on another GPU's tensors (a model split over the GPUs of one process)
+    would otherwise run on the wrong one. Without a CUDA tensor the call runs as it is."""
+
+    @functools.wraps(function)
+    def on_device(*args, **kwargs):
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                if value.device.type == "cuda":
+                    with torch.cuda.device(value.device):
+                        return function(*args, **kwargs)
+                break
+        return function(*args, **kwargs)
+
+    return on_device
+
+
 HOPPER_SHARED_MEMORY = 232_448  # bytes a block may opt into on sm_90 (H100, H200)
 
 

@@ -285,6 +285,7 @@ def _check(q_proxy, k_proxy, q_block, kv_block, proxy_softmax_scale, q_blocks, o
 
 
 @torch.library.custom_op("flash_msa::block_scores", mutates_args={"out"})
+@_env.on_tensor_device
 def _block_scores(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,

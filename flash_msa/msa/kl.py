@@ -423,6 +423,7 @@ def _divisor(reduction: str, terms: int) -> int:
 
 
 @torch.library.custom_op("flash_msa::proxy_kl_forward", mutates_args=())
+@_env.on_tensor_device
 def _kl_forward(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,
@@ -478,6 +479,7 @@ def _(q_proxy, k_proxy, q, k, lse, *rest):
 
 
 @torch.library.custom_op("flash_msa::proxy_kl_backward", mutates_args=())
+@_env.on_tensor_device
 def _kl_backward(
     grad_loss: torch.Tensor,
     q_proxy: torch.Tensor,

@@ -252,6 +252,7 @@ def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("flash_msa::select_tokens", mutates_args={"selected"})
+@_env.on_tensor_device
 def _select_tokens(
     q_proxy: torch.Tensor,
     k_proxy: torch.Tensor,

@@ -6,13 +6,15 @@ tensors plus the global length, query masks in the order of both forms (the CSC 
 through the layout's cached transpose_entries); the backend by name, resolved through the
 registry inside the op. This is the one place where the tensors the kernels read are made
 kernel-ready: unit stride along D for q, k, v, out and dout (other strides are honoured),
-contiguous layout, document and query-mask tensors, int32 contiguous block positions.
+contiguous layout, document and query-mask tensors, int32 contiguous block positions. The
+kernels launch with the tensors' GPU current (_env.on_tensor_device).
 """
 
 from __future__ import annotations
 
 import torch
 
+from flash_msa import _env
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops import registry
 from flash_msa.ops.registry import QueryMasks
@@ -37,6 +39,7 @@ def _options(causal, window_left, window_right, softmax_scale, document_ids, q_b
 
 
 @torch.library.custom_op("flash_msa::sparse_attention_forward", mutates_args=())
+@_env.on_tensor_device
 def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,6 +81,7 @@ def _(q, k, v, row_offsets, col_indices, t_row_offsets, t_col_indices, *options)
 
 
 @torch.library.custom_op("flash_msa::sparse_attention_backward", mutates_args=())
+@_env.on_tensor_device
 def _backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
