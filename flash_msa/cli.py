@@ -253,14 +253,15 @@ def info(args: argparse.Namespace) -> int:
 
 def _selection_kernel(device: torch.device) -> str:
     """Which kernel select_tokens runs on `device` for bench_msa's proxies (bf16, 4 proxy
-    heads, D_p 128, kv_block 128, no documents), and where the other one runs."""
+    heads, D_p 128, kv_block 128, top_k 16, no documents), and where the other one runs."""
     from flash_msa import _env
     from flash_msa.msa import token_selection_gluon
 
     proxies = torch.empty(1, 128, 4, 128, dtype=torch.bfloat16, device=device)
-    if token_selection_gluon.supports(proxies, 128, documents=False, q_blocks=False):
-        return ("gluon (sm_90; documents, q_blocks, kv_block other than 128 or D_p other than "
-                "64 and 128 take the triton kernel)")  # fmt: skip
+    if token_selection_gluon.supports(proxies, 128, 16, documents=False, q_blocks=False):
+        return ("gluon (sm_90; documents, q_blocks, kv_block other than 128, D_p other than 64 "
+                f"and 128 or top_k over {token_selection_gluon.MAX_KEPT} take the triton "
+                "kernel)")  # fmt: skip
     if device.type == "cpu" and not _env.interpreting():
         return "none (triton needs CUDA or TRITON_INTERPRET=1; the gluon kernel an sm_90 GPU)"
     return "triton (the gluon kernel runs on sm_90 GPUs)"

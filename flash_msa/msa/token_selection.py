@@ -268,7 +268,7 @@ def _select_tokens(
     batch, seq_len, heads, dim = q_proxy.shape
     group = heads // k_proxy.shape[2]
     pack = _pack(group)
-    if token_selection_gluon.supports(q_proxy, kv_block, document_ids is not None,
+    if token_selection_gluon.supports(q_proxy, kv_block, kept, document_ids is not None,
                                       q_blocks is not None):  # fmt: skip
         token_selection_gluon.select(q_proxy, k_proxy, k_scales, selected, kept=kept, pack=pack)
         return

@@ -43,6 +43,9 @@ HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
 KV_BLOCK = 128
 PROXY_DIMS = (64, 128)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, FP8: gl.float8e4nv}
+# Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
+# spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
+MAX_KEPT = 64
 NUM_STAGES = 4  # key tiles in flight (deeper rings measured no faster: docs/performance.md)
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
@@ -53,15 +56,17 @@ CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(240)
 PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 
 
-def supports(q_proxy: torch.Tensor, kv_block: int, documents: bool, q_blocks: bool) -> bool:
+def supports(q_proxy: torch.Tensor, kv_block: int, kept: int, documents: bool,
+             q_blocks: bool) -> bool:  # fmt: skip
     """Whether this kernel takes a select_tokens call (scoring in q_proxy's dtype, FP8
-    included): an sm_90 GPU, fp16 / bf16 / e4m3 proxies of D_p 64 or 128, kv_block 128, no
-    documents and no q_blocks, B * S below 2^31 (TMA coordinates)."""
+    included, `kept` blocks a token): an sm_90 GPU, fp16 / bf16 / e4m3 proxies of D_p 64 or
+    128, kv_block 128, at most MAX_KEPT blocks kept, no documents and no q_blocks, B * S
+    below 2^31 (TMA coordinates)."""
     batch, seq_len = q_proxy.shape[:2]
     return (
         q_proxy.device.type == "cuda" and not _env.interpreting()
         and _env.capability(q_proxy.device) == (9, 0) and q_proxy.dtype in DTYPES
-        and q_proxy.shape[3] in PROXY_DIMS and kv_block == KV_BLOCK
+        and q_proxy.shape[3] in PROXY_DIMS and kv_block == KV_BLOCK and kept <= MAX_KEPT
         and not documents and not q_blocks and batch * seq_len < 2**31
     )  # fmt: skip
 

@@ -287,7 +287,7 @@ def test_gluon_selection_equals_the_triton_kernel(geometry, scores, monkeypatch)
         shifted = torch.empty(k_proxy.numel() + 1, dtype=dtype, device=DEVICE)[1:]
         k_proxy = shifted.view(k_proxy.shape).copy_(k_proxy)
     options = dict(top_k=top_k, kv_block=128, score_dtype=FP8 if scores == "fp8" else None)
-    assert gluon_selection.supports(q_proxy, 128, documents=False, q_blocks=False)
+    assert gluon_selection.supports(q_proxy, 128, top_k, documents=False, q_blocks=False)
     selected = select_tokens(q_proxy, k_proxy, **options)
     monkeypatch.setattr(gluon_selection, "supports", lambda *args, **kwargs: False)
     assert torch.equal(selected, select_tokens(q_proxy, k_proxy, **options))
@@ -296,7 +296,7 @@ def test_gluon_selection_equals_the_triton_kernel(geometry, scores, monkeypatch)
 def test_gluon_selection_is_refused_off_sm90():
     """Without an sm_90 GPU (here: the CPU) select_tokens takes the Triton kernel."""
     q_proxy = torch.zeros(1, 256, 4, 128, dtype=torch.bfloat16)
-    assert not gluon_selection.supports(q_proxy, 128, documents=False, q_blocks=False)
+    assert not gluon_selection.supports(q_proxy, 128, 16, documents=False, q_blocks=False)
 
 
 GLUON_SM90_COMPILE = """
