@@ -14,8 +14,9 @@ partitions of warps share it (gl.warp_specialize):
   enter them into the running top-(top_k - 1), so the tensor cores work while they do.
 
 The query rows are loaded once, by the default warps before the partitions split, and kept
-in shared memory. Documents, q_blocks (context parallelism), kv blocks other than 128 and
-D_p other than 64 or 128 take the Triton kernel (supports says which calls this one takes).
+in shared memory. Documents, q_blocks (context parallelism), kv blocks other than 128, D_p
+other than 64 or 128 and more than MAX_KEPT blocks a token take the Triton kernel (supports
+says which calls this one takes).
 """
 
 from __future__ import annotations
