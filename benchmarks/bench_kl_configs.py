@@ -6,8 +6,12 @@ for query blocks of 2 to 32 rows with dk_proxy gathering 1, 2 or 4 of them a ste
 
     python3 benchmarks/bench_kl_configs.py [--seq-len 128k] [--proxies local,random]
         [--q-blocks 1,16,64] [--warps 4,8] [--stages 1,2,3] [--entries]
+        [--rows-kernels triton,gluon]
 
-flash_msa.msa.kl.num_warps, num_stages and dk_proxy_entries hold the faster choices.
+flash_msa.msa.kl.num_warps, num_stages and dk_proxy_entries hold the faster choices. With
+--rows-kernels gluon the rows kernel is the Gluon one (sm_90, where it takes the call; the
+warps and stages then reach dk_proxy only); without --warps / --stages every program runs
+at the library's choice.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from common import median_ms
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.bench import parse_length
-from flash_msa.msa import kl, proxy_kl_loss
+from flash_msa.msa import kl, kl_gluon, proxy_kl_loss
 
 CASES = {"local": [("token", 1), ("token", 4), ("token", 8), ("token", 16), ("block", 64)],
          "random": [("token", 1), ("block", 64)]}  # fmt: skip
@@ -35,14 +39,20 @@ def entry_choices(q_block: int, every: bool) -> list[int]:
     return [1, 2, 4] if every and 1 < q_block < 64 else [kl.dk_proxy_entries(q_block)]
 
 
-def time_kl(loss, warps: int, stages: int, entries: int) -> tuple[float, float, float]:
+def time_kl(loss, warps: int | None, stages: int | None, entries: int,
+            rows_kernel: str) -> tuple[float, float, float]:  # fmt: skip
     """(forward without a gradient, forward with the q_proxy gradient, forward + backward) ms
-    of loss() with every KL program at `warps` warps and `stages` stages and dk_proxy
-    gathering `entries` query blocks a step."""
+    of loss() with every KL program at `warps` warps and `stages` stages (None: the
+    library's), dk_proxy gathering `entries` query blocks a step and the rows kernel
+    `rows_kernel` ("triton" or "gluon")."""
+    warp_choice = kl.num_warps if warps is None else lambda kernel, q_block: warps
+    stage_choice = kl.num_stages if stages is None else lambda kernel, q_block: stages
+    supports = kl_gluon.supports if rows_kernel == "gluon" else lambda *args: False
     with (
-        mock.patch.object(kl, "num_warps", lambda kernel, q_block: warps),
-        mock.patch.object(kl, "num_stages", lambda kernel, q_block: stages),
+        mock.patch.object(kl, "num_warps", warp_choice),
+        mock.patch.object(kl, "num_stages", stage_choice),
         mock.patch.object(kl, "dk_proxy_entries", lambda q_block: entries),
+        mock.patch.object(kl_gluon, "supports", supports),
     ):
         with torch.no_grad():
             forward = median_ms(loss)
@@ -56,20 +66,22 @@ def main() -> None:
     parser.add_argument("--seq-len", type=parse_length, default=parse_length("128k"))
     parser.add_argument("--proxies", default=",".join(CASES))
     parser.add_argument("--q-blocks", default="1,16,64", help="the cases' query blocks to run")
-    parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--warps", default="", help="e.g. 4,8 (default: the library's)")
+    parser.add_argument("--stages", default="", help="e.g. 1,2,3 (default: the library's)")
+    parser.add_argument("--rows-kernels", default="triton", help="triton, gluon or both")
     parser.add_argument("--entries", action="store_true",
                         help="time dk_proxy gathering 1, 2 and 4 query blocks of 2 to 32 rows")
     args = parser.parse_args()
-    q_blocks, warp_choices, stage_choices = (
-        [int(value) for value in text.split(",")]
-        for text in (args.q_blocks, args.warps, args.stages)
+    q_blocks = [int(value) for value in args.q_blocks.split(",")]
+    warp_choices, stage_choices = (
+        [int(value) for value in text.split(",")] if text else [None]
+        for text in (args.warps, args.stages)
     )
     seq_len = args.seq_len
     device, scale = torch.device("cuda"), bench_msa.HEAD_DIM**-0.5
-    print("| proxies | granularity | q_block | warps | stages | dk_proxy entries | forward ms "
-          "| forward + dq_proxy ms | dk_proxy ms | total ms |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print("| proxies | granularity | q_block | rows kernel | warps | stages | dk_proxy entries "
+          "| forward ms | forward + dq_proxy ms | dk_proxy ms | total ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for proxies in args.proxies.split(","):
         cases = [case for case in CASES[proxies] if case[1] in q_blocks]
         inputs = bench_msa.random_inputs(seq_len, device, proxies)
@@ -89,13 +101,14 @@ def main() -> None:
                 proxy_kl_loss, q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
                 proxy_softmax_scale=scale, query_masks=masks,
             )  # fmt: skip
-            configs = itertools.product(warp_choices, stage_choices,
-                                        entry_choices(q_block, args.entries))  # fmt: skip
-            for warps, stages, entries in configs:
-                forward, with_grad, total = time_kl(loss, warps, stages, entries)
-                print(f"| {proxies} | {granularity} | {q_block} | {warps} | {stages} | {entries} "
-                      f"| {forward:.1f} | {with_grad:.1f} | {total - with_grad:.1f} | "
-                      f"{total:.1f} |", flush=True)  # fmt: skip
+            configs = itertools.product(args.rows_kernels.split(","), warp_choices,
+                                        stage_choices, entry_choices(q_block, args.entries))
+            for rows_kernel, warps, stages, entries in configs:
+                forward, with_grad, total = time_kl(loss, warps, stages, entries, rows_kernel)
+                shown = ["default" if value is None else value for value in (warps, stages)]
+                print(f"| {proxies} | {granularity} | {q_block} | {rows_kernel} | {shown[0]} "
+                      f"| {shown[1]} | {entries} | {forward:.1f} | {with_grad:.1f} "
+                      f"| {total - with_grad:.1f} | {total:.1f} |", flush=True)  # fmt: skip
             q_proxy.grad = k_proxy.grad = None
 
 

@@ -29,6 +29,7 @@ from triton.runtime.errors import OutOfResources
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
+from flash_msa.msa import kl_gluon
 from flash_msa.msa.checks import check_tensors
 from flash_msa.ops.interface import check_query_masks, check_softmax_scale
 from flash_msa.ops.registry import QueryMasks
@@ -457,6 +458,13 @@ def _kl_forward(
     grad_q_proxy = torch.empty_like(q_proxy) if with_grad else q_proxy.new_empty(0)
     divisor = _divisor(reduction, kl_rows.numel())
     grad_scale = lse.new_full((1,), 1 / divisor)  # d kl_loss / d kl(i, p)
+    if kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block, documents is not None,
+                         q_blocks is not None):  # fmt: skip
+        outputs = (lse_proxy, kl_rows, grad_q_proxy if with_grad else None)
+        kl_gluon.kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks,
+                         layout, grad_scale, outputs, proxy_softmax_scale,
+                         softmax_scale)  # fmt: skip
+        return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
     _launch(_kl_rows_kernel, (layout.num_q_blocks, batch * heads_proxy),
             num_stages("rows", layout.q_block), dict(
