@@ -4,7 +4,7 @@ import contextlib
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses import fake_tensor
 
 from flash_msa import _env
 from flash_msa.msa import msa_func
@@ -32,7 +32,10 @@ def test_a_call_on_another_gpus_tensors_runs_with_that_gpu_current(monkeypatch):
         """Its docstring and name survive."""
         return scale, tensor.device, other
 
-    with FakeTensorMode():  # a tensor on cuda:1 without a GPU
+    # A tensor on cuda:1 whatever GPUs there are: FakeTensorMode would otherwise create one on
+    # that device first.
+    monkeypatch.setattr(fake_tensor, "init_gpu_context", lambda device: None)
+    with fake_tensor.FakeTensorMode():
         tensor = torch.empty(4, device="cuda:1")
     assert launch(2.0, tensor, other=None) == (2.0, torch.device("cuda:1"), None)
     assert entered == [torch.device("cuda:1")]
