@@ -3,11 +3,9 @@ source, on bench_msa's inputs (bf16, H_q 64, H_kv 4, H_p 4, H_pk 1, D = D_p = 12
 kv_block 128) and their per-token selection over 16-token tiles (the KL's), local proxies;
 the loss alone and with the q_proxy gradient, medians of 3 timed calls after one untimed.
 
-    python3 benchmarks/bench_kl_variants.py [--seq-len 1m] [--variants A,R,E]
+    python3 benchmarks/bench_kl_variants.py [--seq-len 1m] [--variants A,E]
 
 A: flash_msa/msa/kl_gluon.py as it stands.
-R: the keys as the teacher products' A operand from registers (loaded once an entry)
-   instead of from shared memory.
 E: the teacher's exponentials left out (probabilities taken as the exponents themselves):
    A minus E is what the exponentials cost beyond what runs under the products.
 Each variant's per-token KL terms and q_proxy gradient are compared with A's (largest
@@ -32,17 +30,15 @@ from flash_msa.msa.interface import select
 
 SOURCE = (pathlib.Path(__file__).parents[1] / "flash_msa/msa/kl_gluon.py").read_text()
 EXPONENTIALS = "    probs = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse, 0))"
-REGISTERS = "K_FROM_REGISTERS = False\n"
 VARIANTS = {
     "A": SOURCE,
-    "R": SOURCE.replace(REGISTERS, "K_FROM_REGISTERS = True\n"),
     "E": SOURCE.replace(EXPONENTIALS, "    probs = s * qk_scale_log2 - gl.expand_dims(lse, 0)"),
 }
 
 
 def load_variant(name: str, folder: pathlib.Path):
     """The variant's source as a module of its own (Triton reads the kernels from the file)."""
-    assert EXPONENTIALS in SOURCE and REGISTERS in SOURCE, "kl_gluon.py changed: edit VARIANTS"
+    assert EXPONENTIALS in SOURCE, "kl_gluon.py changed: edit VARIANTS"
     path = folder / f"kl_gluon_{name}.py"
     path.write_text(VARIANTS[name])
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -56,7 +56,6 @@ HEAD_DIMS = (64, 128)
 GROUPS = (8, 16)  # query heads a proxy head: 2 or 4 chunks (the walk takes two a step)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 NUM_STAGES = 2  # K and k_proxy tiles in flight
-K_FROM_REGISTERS = False
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
 MAX_REGISTERS = 168  # 64K registers over 384 threads; setmaxnreg splits them as below
@@ -178,28 +177,19 @@ def _student(kp_keys, qp_smem, acc, is_async: gl.constexpr):
 
 
 @gluon.jit
-def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, k_regs, HALF: gl.constexpr,
-                 K_FROM_REGISTERS: gl.constexpr):  # fmt: skip
+def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, HALF: gl.constexpr):
     """The async product S [64 keys, 64] of the walk's step `step`: entry step // CHUNKS's
     keys against chunk step % CHUNKS of the group's queries, into acc's registers (its values
-    are not read); at an entry's first chunk, once the entry's tiles have landed. Returns it
-    and the keys in registers (K_FROM_REGISTERS: loaded at the entry's first chunk)."""
+    are not read); at an entry's first chunk, once the entry's tiles have landed."""
     CHUNKS: gl.constexpr = q_smem.type.shape[0]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     position = first_walk + step // CHUNKS
     stage = position % NUM_STAGES
-    k_keys = k_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D]
     if step % CHUNKS == 0:
         mbarrier.wait(ready.index(stage), (position // NUM_STAGES) & 1)
-        if K_FROM_REGISTERS:
-            k_regs = k_keys.load(k_regs.type.layout)
-    if K_FROM_REGISTERS:
-        product = warpgroup_mma(k_regs, q_smem.index(step % CHUNKS).permute((1, 0)), acc,
-                                use_acc=False, is_async=True)  # fmt: skip
-    else:
-        product = warpgroup_mma(k_keys, q_smem.index(step % CHUNKS).permute((1, 0)), acc,
-                                use_acc=False, is_async=True)  # fmt: skip
-    return product, k_regs
+    k_keys = k_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D]
+    return warpgroup_mma(k_keys, q_smem.index(step % CHUNKS).permute((1, 0)), acc,
+                         use_acc=False, is_async=True)  # fmt: skip
 
 
 @gluon.jit
@@ -244,7 +234,7 @@ def _add_sums(sums, logits, teacher, GRAD: gl.constexpr):
 
 @gluon.jit
 def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.constexpr,
-              HAS_QUERY_MASKS: gl.constexpr, K_FROM_REGISTERS: gl.constexpr):  # fmt: skip
+              HAS_QUERY_MASKS: gl.constexpr):  # fmt: skip
     """One warpgroup's 64 keys of every block of the row: the walk(s), then (the first
     consumer) the program's outputs. shared: the kernel's shared-memory tiles and barriers;
     row_values = (row_blocks, query_masks, count, first
@@ -308,11 +298,7 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     steps = count * CHUNKS  # even: CHUNKS is
     if steps > 0:
         spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
-        HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-        k_regs = gl.zeros([HALF_N, HEAD_DIM], dtype,
-                          gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        even, k_regs = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, k_regs, HALF,
-                                    K_FROM_REGISTERS)  # fmt: skip
+        even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF)
         odd = spare
         logits = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
         teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
@@ -321,17 +307,15 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
             entry = pair // CHUNKS
             stage = (first_walk + entry) % NUM_STAGES
             block, word = _entry_words(entry, row_blocks, query_masks, HAS_QUERY_MASKS)
-            odd, k_regs = _issue_chunk(pair + 1, first_walk, k_smem, q_smem, ready, odd, k_regs,
-                                       HALF, K_FROM_REGISTERS)  # fmt: skip
+            odd = _issue_chunk(pair + 1, first_walk, k_smem, q_smem, ready, odd, HALF)
             # The student's product, read at the entry's last chunk (with 4 chunks also
             # issued at the second, unread: an async product cannot be issued conditionally).
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
             logits = _student(kp_keys, qp_smem, logits, True)
             teacher += _chunk_teacher(done, pair % CHUNKS, lse_smem, qk_scale_log2, t_layout)
             odd, logits = warpgroup_mma_wait(0, deps=(odd, logits))
-            even, k_regs = _issue_chunk(gl.minimum(pair + 2, steps - 2), first_walk, k_smem,
-                                        q_smem, ready, done, k_regs, HALF,
-                                        K_FROM_REGISTERS)  # fmt: skip
+            even = _issue_chunk(gl.minimum(pair + 2, steps - 2), first_walk, k_smem, q_smem,
+                                ready, done, HALF)  # fmt: skip
             teacher += _chunk_teacher(odd, (pair + 1) % CHUNKS, lse_smem, qk_scale_log2,
                                       t_layout)  # fmt: skip
             if (pair + 1) % CHUNKS == CHUNKS - 1:
@@ -396,7 +380,6 @@ def _kl_rows_kernel(
     heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: gl.constexpr, PROXY_DIM: gl.constexpr, CHUNKS: gl.constexpr,
     HAS_QUERY_MASKS: gl.constexpr, GRAD: gl.constexpr, NUM_STAGES: gl.constexpr,
-    K_FROM_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """Grid (num_q_blocks, B * H_p): one program per (query block of TOKENS tokens, batch x
     proxy head), as kl._kl_rows_kernel's, writing the same lse_proxy and kl_rows [B, H_p, S]
@@ -483,10 +466,8 @@ def _kl_rows_kernel(
     columns = ((head // kv_group) * HEAD_DIM, (head // proxy_group) * PROXY_DIM)
     # The default partition (this kernel's 4 warps) is the first consumer.
     gl.warp_specialize(
-        [(_consumer, (shared, row_values, outputs, scales, 0, GRAD, HAS_QUERY_MASKS,
-                      K_FROM_REGISTERS)),
-         (_consumer, (shared, row_values, outputs, scales, 1, GRAD, HAS_QUERY_MASKS,
-                      K_FROM_REGISTERS)),
+        [(_consumer, (shared, row_values, outputs, scales, 0, GRAD, HAS_QUERY_MASKS)),
+         (_consumer, (shared, row_values, outputs, scales, 1, GRAD, HAS_QUERY_MASKS)),
          (_producer, (k_desc, kp_desc, k_smem, kp_smem, ready, empty, (row_blocks, count),
                       key_row, columns, GRAD))],
         [CONSUMER_WARPS, PRODUCER_WARPS],
@@ -528,15 +509,13 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
         heads_per_layout=heads_proxy // layout.layout_heads, num_q_blocks=layout.num_q_blocks,
         proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
         HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=heads_q // heads_proxy // 4,
-        HAS_QUERY_MASKS=has_masks, GRAD=with_grad, NUM_STAGES=NUM_STAGES,
-        K_FROM_REGISTERS=K_FROM_REGISTERS, num_warps=4,
+        HAS_QUERY_MASKS=has_masks, GRAD=with_grad, NUM_STAGES=NUM_STAGES, num_warps=4,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
 def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
-                     proxy_dim: int = 128, grad: bool = True, chunks: int = 4,
-                     k_from_registers: bool | None = None) -> dict:  # fmt: skip
+                     proxy_dim: int = 128, grad: bool = True, chunks: int = 4) -> dict:  # fmt: skip
     """Compile the kernel for sm_90a without a GPU (with query masks; `chunks` x 4 query heads
     a proxy head) and report as ops.gluon.codegen.compile_forward does, plus
     "exponentials_under_products": the most MUFU.EX2 between a product's issue and the next
@@ -553,9 +532,7 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
         qk_scale_log2="fp32",
     )  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunks, HAS_QUERY_MASKS=True,
-                      GRAD=grad, NUM_STAGES=NUM_STAGES,
-                      K_FROM_REGISTERS=K_FROM_REGISTERS if k_from_registers is None
-                      else k_from_registers)  # fmt: skip
+                      GRAD=grad, NUM_STAGES=NUM_STAGES)  # fmt: skip
     name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}{'_grad' if grad else ''}"
     report = codegen.compile_kernel(_kl_rows_kernel, types, constexprs, workdir, name)
     with open(report["sass"]) as handle:
