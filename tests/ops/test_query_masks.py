@@ -128,14 +128,15 @@ def problem(case: Case, dtype: torch.dtype):
     return (q, k, v), layout, query_masks, options, mask
 
 
-def expected(q, k, v, mask, grad_out):
-    """float64 out, lse, dq, dk, dv of dense attention on the mask. Rows that see nothing
-    get zero out, lse -inf and contribute no gradient: the reference runs them over every
-    key with a zero output gradient, then reports their out and lse as empty."""
+def expected(q, k, v, mask, grad_out, precision=torch.float64):
+    """out, lse, dq, dk, dv of dense attention on the mask, computed on the CPU in
+    `precision` (float64: the exact values). Rows that see nothing get zero out, lse -inf
+    and contribute no gradient: the reference runs them over every key with a zero output
+    gradient, then reports their out and lse as empty."""
     empty = ~mask.any(-1)  # [B, H_q, S]
-    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().cpu().to(precision).requires_grad_() for t in (q, k, v))
     out, lse = attention_reference(q, k, v, mask | empty[..., None])
-    grad_out = grad_out.cpu().double().masked_fill(empty.transpose(1, 2)[..., None], 0.0)
+    grad_out = grad_out.cpu().to(precision).masked_fill(empty.transpose(1, 2)[..., None], 0.0)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     out = out.detach().masked_fill(empty.transpose(1, 2)[..., None], 0.0)
     return (out, lse.detach().masked_fill(empty, float("-inf")), *grads), empty
@@ -264,7 +265,7 @@ def test_registry_describes_query_masks():
         dropout=False, documents=False, deterministic=False, element_masks=True, seq_len_q=64,
         seq_len_kv=64, batch=1, heads_q=2, heads_kv=2, layout_heads=1, query_masks=True,
     )  # fmt: skip
-    assert registry.get("gluon").query_masks is False
+    assert registry.get("gluon").query_masks is True  # tiles of packed heads take them
     without = dataclasses.replace(registry.get("torch"), name="no-masks", query_masks=False)
     assert without.refusal(call).reason == "no-masks has no per-token query masks (query_masks=)"
     assert without.refusal(dataclasses.replace(call, query_masks=False)) is None
@@ -393,3 +394,67 @@ def test_kernels_with_query_masks_compile_for_hopper(sm90):
     for report in reports:
         assert report["wgmma"], f"{report['kernel']} does not use Hopper tensor cores (wgmma)"
         assert report["spills"] == 0, f"{report['kernel']} spills {report['spills']} bytes"
+
+
+# ---- the gluon backend on an H100 / H200 ---------------------------------------------------
+
+GLUON_CASES = {
+    # MSA's main attention per token: 8 positions x 16 heads a tile, ragged end
+    "8x16-per-kv-head": Case(seq_len=1000, q_block=8, kv_block=128, heads_q=32, heads_kv=2,
+                             layout_heads=2, top_k=3, seed=20),
+    "16x8-documents-batch": Case(seq_len=777, q_block=16, kv_block=128, batch=2, heads_q=16,
+                                 heads_kv=2, top_k=2, documents=True, seed=21),
+    "64x2-per-batch": Case(seq_len=1100, q_block=64, kv_block=128, batch=2, heads_q=8,
+                           heads_kv=4, layout_heads=4, layout_batch=2, top_k=4, seed=22),
+    "2x64-one-kv-head": Case(seq_len=600, q_block=2, kv_block=128, heads_q=64, heads_kv=1,
+                             top_k=2, seed=23),
+}  # fmt: skip
+
+
+def on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU (H100, H200)")
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_masks", [True, False])
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gluon_packed_tiles_within_twice_torch_error(name, with_masks, dtype, head_dim,
+                                                     poisoned_allocations):  # fmt: skip
+    """Tiles of packed query heads (q_block 2 to 64): the Gluon forward and the backward it
+    hands to the Triton kernels, with the per-token words and without them (every token of
+    a query block reads the union of their blocks), against float64 by FlashAttention's
+    rule: each of out, lse, dq, dk, dv within 2x PyTorch's error in the inputs' dtype."""
+    case = GLUON_CASES[name]
+    _, layout, query_masks, options, mask = problem(case, torch.float32)
+    if not with_masks:  # the union layout, read whole by every token
+        query_masks = None
+        documents = options["document_ids"].cpu() if case.documents else None
+        mask = layout_mask(layout.to("cpu"), case.batch, case.heads_q, causal=True,
+                           document_ids=documents)  # fmt: skip
+    q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, head_dim,
+                         heads_kv=case.heads_kv, dtype=dtype, device="cuda", seed=case.seed)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q)
+    actual = run("gluon", (q, k, v), layout, query_masks, options, grad_out)
+    exact, empty = expected(q, k, v, mask, grad_out)
+    same_dtype, _ = expected(q, k, v, mask, grad_out, precision=dtype)
+    assert not bool(empty.all())
+    for label, got, truth, rounded in zip(("out", "lse", "dq", "dk", "dv"), actual, exact,
+                                          same_dtype, strict=True):  # fmt: skip
+        error = relative_error(got, truth)
+        torch_error = relative_error(rounded, truth)
+        assert error <= 2 * torch_error + 1e-6, f"{label}: {error:.3g} vs torch {torch_error:.3g}"
+
+
+def test_gluon_packs_only_heads_that_share_a_kv_head_and_a_layout_row():
+    """A tile of q_block positions packs 128 / q_block query heads: they must share a kv
+    head and a layout row, else the gluon backend refuses the call with the reason (and
+    "auto" takes triton)."""
+    from flash_msa.ops.gluon.forward import packing_refusal
+
+    assert packing_refusal(8, 64, 4, 4) is None  # MSA per token: 16 heads a kv head
+    assert packing_refusal(64, 64, 4, 4) is None and packing_refusal(128, 8, 8, 8) is None
+    assert "H_q / H_kv = 8 is not a multiple of 16" in packing_refusal(8, 64, 8, 8)
+    assert "H_q / layout_heads = 4 is not a multiple of 8" in packing_refusal(16, 64, 4, 16)

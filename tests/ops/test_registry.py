@@ -184,12 +184,14 @@ def test_gluon_refuses_what_it_does_not_run(monkeypatch):
         seq_len_q=4096, seq_len_kv=4096, batch=1, heads_q=16, heads_kv=4, layout_heads=4,
     )  # fmt: skip
     assert gluon.refusal(call) is None
-    for change in (dict(element_masks=True), dict(seq_len_kv=4000), dict(documents=True)):
+    for change in (dict(element_masks=True), dict(seq_len_kv=4000), dict(documents=True),
+                   dict(q_block=32, query_masks=True), dict(q_block=64)):  # packed heads
         assert gluon.refusal(dataclasses.replace(call, **change)) is None
     for change, reason in (
         (dict(positions=True), "gluon has no block positions"),
         (dict(head_dim=96), "gluon takes head dims 64 and 128, not 96"),
-        (dict(q_block=64), "gluon takes q_block in (128,), not 64"),
+        (dict(q_block=1), "gluon takes q_block in (2, 4, 8, 16, 32, 64, 128), not 1"),
+        (dict(q_block=16), "gluon: q_block 16 packs 8 query heads into a tile's 128 rows"),
         (dict(dropout=True), "gluon has no dropout"),
         (dict(layout_heads=2), "gluon takes layout_heads 1, H_kv or H_q, not 2"),
         (dict(dtype=torch.float32), "gluon takes float16, bfloat16, not float32"),

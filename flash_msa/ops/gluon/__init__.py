@@ -7,7 +7,12 @@ edge, a document boundary or a ragged end are masked in registers. The backward
 dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode:
 dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. It
 takes causal, window_size, documents and any sequence lengths; the registry passes what it
-refuses (dropout, per-token query masks, and what _check names) to the next backend.
+refuses (dropout, and what _check names) to the next backend.
+
+Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
+into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
+selection, 8 x 16 per token), with or without per-token query masks: the forward runs in
+Gluon, the backward in the Triton kernels, which take such tiles.
 """
 
 import functools
@@ -16,19 +21,28 @@ import torch
 
 from flash_msa import _env
 from flash_msa.ops.gluon import backward
-from flash_msa.ops.gluon.forward import BLOCK_M, HEAD_DIMS, attention_forward, padded_length
-from flash_msa.ops.registry import AttentionCall, Backend, Refusal
+from flash_msa.ops.gluon.forward import (
+    BLOCK_M,
+    HEAD_DIMS,
+    QUERY_BLOCKS,
+    attention_forward,
+    packing_refusal,
+    padded_length,
+)
+from flash_msa.ops.registry import AttentionCall, Backend, Refusal, get
 
 
 def _forward(
-    q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, **without_dropout
-):
+    q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, query_masks,
+    **without_dropout,
+):  # fmt: skip
     """The registry's forward; _check and the declared fields admit only calls without
     dropout or block positions."""
     return attention_forward(
         q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=softmax_scale,
         layout_batch=layout.layout_batch, causal=causal, window_size=window_size,
-        document_ids=document_ids, row_order=layout.heavy_rows_first(),
+        document_ids=document_ids, row_order=layout.heavy_rows_first(), q_block=layout.q_block,
+        query_masks=None if query_masks is None else query_masks.csr,
     )  # fmt: skip
 
 
@@ -37,9 +51,13 @@ def _backward(
     deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
-    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward."""
+    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward.
+    Tiles of packed heads (q_block below 128) take the Triton backward (reproducible)."""
     options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
                    document_ids=document_ids)  # fmt: skip
+    if layout.q_block != BLOCK_M:
+        return get("triton").backward(grad_out, q, k, v, out, lse, layout, **options,
+                                      **without_dropout)  # fmt: skip
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, **options,
         grad_q="triton" if deterministic else "atomic",
@@ -55,6 +73,9 @@ def _check(call: AttentionCall) -> Refusal | None:
         return Refusal(f"gluon takes layout_heads 1, H_kv or H_q, not {call.layout_heads}")
     if call.batch * padded_length(max(call.seq_len_q, call.seq_len_kv)) >= 2**31:
         return Refusal("gluon addresses B * S below 2^31 tokens (TMA coordinates)")
+    reason = packing_refusal(call.q_block, call.heads_q, call.heads_kv, call.layout_heads)
+    if reason is not None:
+        return Refusal(f"gluon: {reason}")
     return None
 
 
@@ -70,8 +91,8 @@ BACKEND = Backend(
     head_dims=lambda head_dim: head_dim in HEAD_DIMS,
     head_dims_text=" and ".join(map(str, HEAD_DIMS)),
     block_sizes=(BLOCK_M,),
+    q_block_sizes=QUERY_BLOCKS,
     dropout=False,
-    query_masks=False,  # its masked path takes key bounds per row, not per-token selections
     check=_check,
 )
 

@@ -32,15 +32,15 @@ def available() -> str | None:
     return None
 
 
-def descriptor_type(dtype: str, rows: int, head_dim: int) -> str:
-    """The signature type of a TMA descriptor argument of blocks [rows, head_dim] in the
-    default NVMMA shared layout ("bf16", "fp16", "fp32" or "fp8e4nv")."""
+def descriptor_type(dtype: str, *block: int) -> str:
+    """The signature type of a TMA descriptor argument of blocks `block` (e.g. rows,
+    head_dim) in the default NVMMA shared layout ("bf16", "fp16", "fp32" or "fp8e4nv")."""
     from triton.experimental.gluon import language as gl
 
     element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32,
                "fp8e4nv": gl.float8e4nv}[dtype]  # fmt: skip
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
-    return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), element)
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
 
 def partition_spill_stores(sass: str) -> int:
@@ -97,10 +97,11 @@ def sass_fingerprint(sass: str) -> str:
 
 def compile_forward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    pingpong: bool = True, masks=None, persistent: bool = False,
+    pingpong: bool = True, masks=None, persistent: bool = False, pack: int = 1,
 ) -> dict:  # fmt: skip
     """Compile forward._forward_kernel for sm_90a with the forward.Masks `masks` (None: none,
-    the path of full blocks), persistent or a program per tile, and report {"registers": what
+    the path of full blocks; masks.query: per-token query masks), persistent or a program
+    per tile, tiles of 128 / pack positions x pack query heads, and report {"registers": what
     ptxas allocates a thread at launch, "max_register": 1 + the highest register the SASS names
     (the consumers' need under setmaxnreg), "setmaxnreg": the per-warpgroup budgets, "spills":
     bytes of spill stores, "partition_spill_stores": see partition_spill_stores, "shared": bytes
@@ -110,20 +111,22 @@ def compile_forward(
     from flash_msa.ops.gluon import forward
 
     masks = forward.Masks() if masks is None else masks
+    half = (forward.HALF_M, head_dim) if pack == 1 else (1, forward.HALF_M // pack, pack, head_dim)
     types = dict(
-        q_desc=descriptor_type(dtype, forward.HALF_M, head_dim),
-        o_desc=descriptor_type(dtype, forward.HALF_M, head_dim),
+        q_desc=descriptor_type(dtype, *half), o_desc=descriptor_type(dtype, *half),
         k_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
         v_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
         lse="*fp32", row_order="*i32", next_tile="*i32", row_offsets="*i32", col_indices="*i32",
-        qk_scale="fp32", out=f"*{dtype}",
+        query_masks="*i64", qk_scale="fp32", out=f"*{dtype}",
         document_first="*i32", document_last="*i32",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, PINGPONG=pingpong, PERSISTENT=persistent,
-                      **masks.constexprs())  # fmt: skip
+                      **masks.constexprs(), HAS_QUERY_MASKS=masks.query, PACK=pack)  # fmt: skip
     turns = "pingpong" if pingpong else "plain"
     programs = "_persistent" if persistent else ""
-    name = f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{programs}{_mask_flags(masks)}"
+    packed = f"_pack{pack}" if pack > 1 else ""
+    name = (f"forward_d{head_dim}_{dtype}_s{num_stages}_{turns}{programs}{packed}"
+            f"{_mask_flags(masks)}")  # fmt: skip
     return compile_kernel(forward._forward_kernel, types, constexprs, workdir, name)
 
 

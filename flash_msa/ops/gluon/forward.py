@@ -61,6 +61,8 @@ BLOCK_M = 128  # query rows of one program
 HALF_M = 64  # query rows of one consumer warpgroup
 BLOCK_N = 128  # keys of one layout block
 HEAD_DIMS = (64, 128)
+# Query positions of a tile: q_block = 128 / PACK positions x PACK query heads of a group
+QUERY_BLOCKS = (2, 4, 8, 16, 32, 64, 128)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # TMA views: the inputs' dtypes and fp32 (the backward's dQ accumulator)
 VIEW_DTYPES = {**DTYPES, torch.float32: gl.float32}
@@ -82,7 +84,8 @@ class Masks(NamedTuple):
     right: bool = False  # keys j <= i + window_right (causal: window_right = 0)
     documents: bool = False  # keys of the query's document only
     kv_tail: bool = False  # S_kv is not a multiple of 128: keys from S_kv on are masked
-    q_tail: bool = False  # S_q is not a multiple of 128: rows from S_q on are not stored
+    q_tail: bool = False  # S_q is not a multiple of the tile: rows from S_q on are not stored
+    query: bool = False  # per-token selections: a row reads a block only where its bit is set
 
     @property
     def lower(self) -> bool:
@@ -97,42 +100,51 @@ class Masks(NamedTuple):
     @property
     def scores(self) -> bool:
         """Whether a block may be partial (scores to mask)."""
-        return self.lower or self.upper
+        return self.lower or self.upper or self.query
 
     def constexprs(self) -> dict[str, bool]:
-        """The kernel's keyword constexprs for these masks."""
+        """The kernels' keyword constexprs for the element masks (the forward also takes
+        HAS_QUERY_MASKS = query)."""
         return dict(HAS_LEFT=self.left, HAS_RIGHT=self.right, HAS_DOCUMENTS=self.documents,
                     KV_TAIL=self.kv_tail, Q_TAIL=self.q_tail)  # fmt: skip
 
 
+HALF_ROWS: gl.constexpr = gl.constexpr(HALF_M)
 UPPER: gl.constexpr = gl.constexpr(0)
 LOWER: gl.constexpr = gl.constexpr(1)
 LN_2: gl.constexpr = gl.constexpr(_env.LN_2)
 
 
 @gluon.jit
-def _tile(tile, tiles, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _tile(tile, tiles, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, PACK: gl.constexpr):
     """Tile `tile` of the launch order: (batch, head) pairs one after the other (batch
-    major), each over its query blocks by descending work (row_order); so the tiles that
-    run together read the K and V of one head (L2), and each head ends on its lightest
-    tiles. Returns its CSR row's entries [start, end), its TMA coordinates q_row, q_col (Q
-    and O), kv_row, kv_col (K and V), lse_offset, the position of its first query and its
-    batch element. tiles = (row_order, row_offsets, stride_layout, layout_batch_stride,
-    layout_head_divisor, heads_q, group, seq_len_q, seq_len_kv, num_q_blocks): see
-    _forward_kernel."""
+    major; PACK > 1: (batch, PACK query heads of a GQA group)), each over its query blocks
+    by descending work (row_order); so the tiles that run together read the K and V of one
+    head (L2), and each head ends on its lightest tiles. A tile is BLOCK rows: BLOCK / PACK
+    tokens x PACK heads. Returns its CSR row's entries [start, end), its TMA coordinates
+    q_row, q_col (Q and O: the 2-D view's, or PACK > 1 the first head in the 4-D view),
+    kv_row, kv_col (K and V), lse_offset (of its first head and token), the position of its
+    first query and its batch element. tiles = (row_order, row_offsets, stride_layout,
+    layout_batch_stride, layout_head_divisor, heads_q, group, seq_len_q, seq_len_kv,
+    num_q_blocks): see _forward_kernel."""
     (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor, heads_q,
      group, seq_len_q, seq_len_kv, num_q_blocks) = tiles  # fmt: skip
-    pair = tile // num_q_blocks  # batch * H_q + head
+    pair = tile // num_q_blocks  # batch * H_q / PACK + head // PACK
     query_block = gl.load(row_order + tile % num_q_blocks)
-    batch = pair // heads_q
-    head = pair % heads_q
+    batch = pair // (heads_q // PACK)
+    head = pair % (heads_q // PACK) * PACK  # the tile's first query head
     row = row_offsets + (batch * layout_batch_stride + head // layout_head_divisor) * stride_layout
     start = gl.load(row + query_block)
     end = gl.load(row + query_block + 1)
-    query_first = query_block * BLOCK
+    query_first = query_block * (BLOCK // PACK)
     q_row = batch * seq_len_q + query_first
-    lse_offset = pair.to(gl.int64) * seq_len_q + query_first
-    return (start, end, q_row, head * HEAD_DIM, batch * seq_len_kv, (head // group) * HEAD_DIM,
+    if PACK == 1:
+        lse_offset = pair.to(gl.int64) * seq_len_q + query_first
+        q_col = head * HEAD_DIM
+    else:
+        lse_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q + query_first
+        q_col = head
+    return (start, end, q_row, q_col, batch * seq_len_kv, (head // group) * HEAD_DIM,
             lse_offset, query_first, batch)  # fmt: skip
 
 
@@ -167,7 +179,7 @@ def _take(taken, schedule, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(tile, count, loaded, loads):
+def _load_tile(tile, count, loaded, loads, PACK: gl.constexpr):
     """The producer's work for one tile: the query halves once the consumers are done with
     the previous tile's (so they load while that tile ends), then K and V of each active
     block of the row into the ring (a slot is refilled once both consumers released it; the
@@ -175,11 +187,13 @@ def _load_tile(tile, count, loaded, loads):
     tiles with active blocks so far, the query halves' phase; returns both, updated."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, col_indices, tiles) = loads  # fmt: skip
-    HALF: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HALF: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    start, end, q_row, q_col, kv_row, kv_col, _, _, _ = _tile(tile, tiles, 2 * HALF, HEAD_DIM)
+    start, end, q_row, q_col, kv_row, kv_col, _, query_first, batch = _tile(
+        tile, tiles, 2 * HALF, HEAD_DIM, PACK
+    )
     if end > start:
         for half in gl.static_range(2):
             # A fresh barrier counts as having completed the phase before 0: the first
@@ -187,9 +201,15 @@ def _load_tile(tile, count, loaded, loads):
             mbarrier.wait(q_empty.index(half), (loaded & 1) ^ 1)
             bar = q_ready.index(half)
             mbarrier.expect(bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
-            )
+            if PACK == 1:
+                tma.async_copy_global_to_shared(
+                    q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
+                )
+            else:  # the 4-D view's box [1, HALF / PACK tokens, PACK heads, D]
+                tma.async_copy_global_to_shared(
+                    q_desc, [batch, query_first + half * (HALF // PACK), q_col, 0], bar,
+                    q_smem.index(half).reshape(q_desc.block_type.shape),
+                )  # fmt: skip
         loaded += 1
         block = gl.load(col_indices + start)
         for j in range(start, end):
@@ -213,7 +233,8 @@ def _load_tile(tile, count, loaded, loads):
 
 
 @gluon.jit
-def _producer(loads, num_tiles, schedule, next_tile, PERSISTENT: gl.constexpr):
+def _producer(loads, num_tiles, schedule, next_tile, PERSISTENT: gl.constexpr,
+              PACK: gl.constexpr):  # fmt: skip
     """One warp, over its program's tiles (see _load_tile): the one of the program's index,
     and, PERSISTENT, each next one taken from the counter next_tile (int32, 0 at launch) plus
     the program count, so programs that finish early take more tiles, each handed to the
@@ -229,12 +250,12 @@ def _producer(loads, num_tiles, schedule, next_tile, PERSISTENT: gl.constexpr):
             taken += 1
             # The next tile's index arrives while this one's loads are issued.
             following = gl.atomic_add(next_tile, 1) + gl.num_programs(0)
-            count, loaded = _load_tile(tile, count, loaded, loads)
+            count, loaded = _load_tile(tile, count, loaded, loads, PACK)
             tile = following
         _publish(num_tiles, taken, schedule)
     else:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            count, loaded = _load_tile(tile, count, loaded, loads)
+            count, loaded = _load_tile(tile, count, loaded, loads, PACK)
 
 
 @gluon.jit
@@ -265,8 +286,9 @@ def _softmax_step(s, m_i, l_i, qk_scale, FIRST: gl.constexpr, MASKED: gl.constex
 
 @gluon.jit
 def _visible_keys(query_first, bounds, ROWS: gl.constexpr, layout: gl.constexpr,
-                  MASKS: gl.constexpr):  # fmt: skip
-    """The keys the ROWS queries from position query_first may see, as bounds: lower, upper
+                  MASKS: gl.constexpr, PACK: gl.constexpr = 1):  # fmt: skip
+    """The keys the ROWS queries (ROWS / PACK positions from query_first, PACK heads each:
+    row r is position query_first + r // PACK) may see, as bounds: lower, upper
     [HALF_M] (in `layout`), query i sees keys lower[i] <= j <= upper[i]; lowest, highest
     (scalars), the largest lower and the smallest upper bound over the rows, between which
     a block is full. bounds = (key_end, window_left, window_right, document_first,
@@ -274,8 +296,8 @@ def _visible_keys(query_first, bounds, ROWS: gl.constexpr, layout: gl.constexpr,
     first and last positions of each token's document (documents are contiguous runs, so
     a key is in the query's document iff it lies between them)."""
     key_end, window_left, window_right, document_first, document_last = bounds
-    queries = query_first + gl.arange(0, ROWS, layout=layout)  # [HALF_M]
-    query_last = query_first + ROWS - 1
+    queries = query_first + gl.arange(0, ROWS, layout=layout) // PACK  # [HALF_M]
+    query_last = query_first + ROWS // PACK - 1
     lower = gl.zeros_like(queries)  # [HALF_M]
     upper = gl.zeros_like(queries) + (key_end - 1)  # [HALF_M]
     lowest = 0
@@ -329,6 +351,31 @@ def _mask_scores(s, partial, key_first, visible, KEY_AXIS: gl.constexpr, MASKS: 
     return s
 
 
+@gluon.jit
+def _query_word(words, step, partial, ROWS: gl.constexpr, PACK: gl.constexpr):
+    """The word of row bits of the row's entry `step` and whether the block is partial for
+    these ROWS rows (ROWS / PACK tokens): partial already, or one of their tokens does not
+    read it. words = (row_masks, first_token): the row's int64 words (bit t: token t of the
+    query block reads the entry's kv block) and the bit of the rows' first token."""
+    row_masks, first_token = words
+    word = gl.load(row_masks + step)
+    ALL: gl.constexpr = (1 << (ROWS // PACK)) - 1  # the rows' tokens, from first_token
+    return word, partial | (((word >> first_token) & ALL) != ALL)
+
+
+@gluon.jit
+def _mask_rows(s, partial, word, words, PACK: gl.constexpr):
+    """s [HALF_M, BLOCK_N] with -inf on the rows whose token's bit of `word` is unset, if
+    the block is partial (words: see _query_word; row r is token r // PACK)."""
+    if partial:
+        ROWS: gl.constexpr = s.type.shape[0]
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s.type.layout))  # [HALF_M]
+        bits = (words[1] + rows // PACK).to(gl.int64)  # [HALF_M]
+        reads = ((word >> bits) & 1) != 0  # [HALF_M]
+        s = gl.where(gl.expand_dims(reads, 1), s, float("-inf"))
+    return s
+
+
 @gluon.constexpr_function
 def mma_layout(columns, dtype):
     """The accumulator layout of a [64, columns] warpgroup MMA over one warpgroup."""
@@ -341,14 +388,14 @@ def mma_layout(columns, dtype):
 @gluon.jit
 def _kv_step(
     step, count, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine, theirs, s, acc,
-    p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, PINGPONG: gl.constexpr,
-    MASKS: gl.constexpr,
+    p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, words, PINGPONG: gl.constexpr,
+    MASKS: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Block `step` (> 0) of the row, the program's block `count` (the ring's and the turns'
     position): S of this block and P V of the block before it run together, the mask and
     softmax of this block beside that P V; returns the new S, O, P (input dtype, operand
     layout) and softmax state. row_blocks points at the row's kv block indices; visible:
-    see _visible_keys."""
+    see _visible_keys; words: see _query_word."""
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     KV_ROWS: gl.constexpr = k_smem.type.shape[1]
     dtype: gl.constexpr = q.dtype
@@ -362,6 +409,8 @@ def _kv_step(
     if MASKS.scores:  # the load's latency hides behind the wait for K and the S matmul
         key_first = gl.load(row_blocks + step) * KV_ROWS
         partial = _partial(key_first, visible, KV_ROWS, MASKS)
+    if MASKS.query:
+        word, partial = _query_word(words, step, partial, q.type.shape[0], PACK)
     mbarrier.wait(k_ready.index(stage), phase)
     if PINGPONG:
         mbarrier.wait(mine, count & 1)
@@ -373,6 +422,8 @@ def _kv_step(
     mbarrier.arrive(k_empty.index(stage))
     if MASKS.scores:
         s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
+    if MASKS.query:
+        s = _mask_rows(s, partial, word, words, PACK)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, False, MASKS.scores)
     # This block's V (read by the next step's P V) is waited for here, between the softmax
     # and the matmul wait: the barrier's spin loop ends a basic block, which keeps ptxas
@@ -420,11 +471,12 @@ def _store_tile(o_desc, tile, row, column):
 @gluon.jit
 def _attend(
     q, q_ready, q_empty, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine, theirs,
-    row_blocks, blocks, count, q_phase, qk_scale, visible, PINGPONG: gl.constexpr,
-    MASKS: gl.constexpr,
+    row_blocks, blocks, count, q_phase, qk_scale, visible, words, PINGPONG: gl.constexpr,
+    MASKS: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup's 64 rows of a tile over the `blocks` (> 0) active blocks of its row
-    (row_blocks: their kv block indices), the program's blocks count.. count + blocks - 1:
+    (row_blocks: their kv block indices; words: their row bits, see _query_word), the
+    program's blocks count.. count + blocks - 1:
     O normalised [HALF_M, D] (fp32) and the log-sum-exp [HALF_M] (natural log). The query
     half is released (q_empty) once the row's last S has completed."""
     ROWS: gl.constexpr = q.type.shape[0]
@@ -443,6 +495,8 @@ def _attend(
     if MASKS.scores:
         key_first = gl.load(row_blocks) * KV_ROWS
         partial = _partial(key_first, visible, KV_ROWS, MASKS)
+    if MASKS.query:
+        word, partial = _query_word(words, 0, partial, ROWS, PACK)
     mbarrier.wait(q_ready, q_phase)
     # Block 0: S only; its P V runs beside the next block's S.
     mbarrier.wait(k_ready.index(stage), phase)
@@ -456,6 +510,8 @@ def _attend(
     mbarrier.arrive(k_empty.index(stage))
     if MASKS.scores:
         s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
+    if MASKS.query:
+        s = _mask_rows(s, partial, word, words, PACK)
     p, m_i, l_i, alpha = _softmax_step(s, s, s, qk_scale, True, MASKS.scores)
     mbarrier.wait(v_ready.index(stage), phase)
     p_op = gl.convert_layout(p.to(dtype), p_layout)  # [HALF_M, BLOCK_N]
@@ -464,8 +520,8 @@ def _attend(
     for step in range(1, blocks):
         s, acc, p_op, m_i, l_i = _kv_step(
             step, count + step, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, mine,
-            theirs, s, acc, p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, PINGPONG,
-            MASKS,
+            theirs, s, acc, p_op, m_i, l_i, use_acc, qk_scale, row_blocks, visible, words,
+            PINGPONG, MASKS, PACK,
         )  # fmt: skip
         use_acc = True
     # Every S of the row has completed: the producer may load the next tile's query half.
@@ -484,17 +540,19 @@ def _attend(
 
 @gluon.jit
 def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-                 MASKS: gl.constexpr):  # fmt: skip
+                 MASKS: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
     """A consumer's work for one tile: rows HALF * 64 .. HALF * 64 + 63 of the query tile,
     its output leaving through o_smem by TMA while the next tile runs (count: blocks
     consumed so far, the ring's position; loaded: tiles with active blocks so far, the query
     half's phase; returns both, updated). bounds = (S_kv, window_left, window_right,
     document_first, document_last) with the documents' bounds of batch element 0 (see
     _visible_keys); tail = (out, S_q, H_q * D): out's pointer, for a half that ends past
-    S_q."""
+    S_q; query_masks: the layout's int64 words (MASKS.query)."""
     (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turns, lse, col_indices, tiles, qk_scale, bounds, tail) = shared  # fmt: skip
+     v_empty, turns, lse, col_indices, query_masks, tiles, qk_scale, bounds,
+     tail) = shared  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
+    TOKENS: gl.constexpr = ROWS // PACK  # positions of the half's rows
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, dtype)
@@ -502,20 +560,24 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
     q = q_smem.index(HALF)  # [HALF_M, D]
     o = o_smem.index(HALF)  # [HALF_M, D]
     seq_len_kv, window_left, window_right, document_first, document_last = bounds
+    out, seq_len_q, row_stride = tail
     rows = gl.arange(0, ROWS, layout=s_rows)
-    start, end, _, _, _, _, _, query_first, batch = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
-    query_first = query_first + HALF * ROWS
+    start, end, _, _, _, _, _, query_first, batch = _tile(tile, tiles, 2 * ROWS, HEAD_DIM, PACK)
+    query_first = query_first + HALF * TOKENS
     visible = None
     if MASKS.scores:
         documents = batch * seq_len_kv
         tile_bounds = (seq_len_kv, window_left, window_right, document_first + documents,
                        document_last + documents)  # fmt: skip
-        visible = _visible_keys(query_first, tile_bounds, ROWS, s_rows, MASKS)
+        visible = _visible_keys(query_first, tile_bounds, ROWS, s_rows, MASKS, PACK)
+    words = None
+    if MASKS.query:
+        words = (query_masks + start, HALF * TOKENS)
     if end > start:
         acc, log_sum = _attend(
             q, q_ready.index(HALF), q_empty.index(HALF), k_smem, v_smem, k_ready, k_empty,
             v_ready, v_empty, turns.index(HALF), turns.index(1 - HALF), col_indices + start,
-            end - start, count, loaded & 1, qk_scale, visible, PINGPONG, MASKS,
+            end - start, count, loaded & 1, qk_scale, visible, words, PINGPONG, MASKS, PACK,
         )  # fmt: skip
         count += end - start
         loaded += 1
@@ -524,15 +586,23 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
         log_sum = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
 
     # The tile's coordinates again, rather than held in registers across its blocks.
-    _, _, q_row, q_col, _, _, lse_offset, _, _ = _tile(tile, tiles, 2 * ROWS, HEAD_DIM)
+    _, _, q_row, q_col, _, _, lse_offset, _, _ = _tile(tile, tiles, 2 * ROWS, HEAD_DIM, PACK)
     row_valid = None  # every row is before S_q
     if MASKS.q_tail:
-        out, seq_len_q, row_stride = tail
-        row_valid = query_first + rows < seq_len_q  # [HALF_M]
-    gl.store(lse + lse_offset + HALF * ROWS + rows, log_sum, mask=row_valid)
+        row_valid = query_first + rows // PACK < seq_len_q  # [HALF_M]
+    if PACK == 1:
+        lse_rows = lse + lse_offset + HALF * ROWS + rows
+    else:  # row r: head r % PACK, position r // PACK
+        lse_rows = lse + lse_offset + (rows % PACK) * seq_len_q + HALF * TOKENS + rows // PACK
+    gl.store(lse_rows, log_sum, mask=row_valid)
     tma.store_wait(0)  # the previous tile's output has left o
     o.store(acc.to(dtype))
-    if MASKS.q_tail:
+    if PACK > 1:
+        # The 4-D view's box [1, TOKENS, PACK, D]; TMA drops the positions from S_q on.
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, query_first, q_col, 0],
+                                        o.reshape(o_desc.block_type.shape))  # fmt: skip
+    elif MASKS.q_tail:
         # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows,
         # which a TMA store of the whole half would overwrite.
         if query_first + ROWS > seq_len_q:
@@ -548,7 +618,7 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
 @gluon.jit
 def _consumer(
     shared, num_tiles, schedule, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-    MASKS: gl.constexpr, PERSISTENT: gl.constexpr,
+    MASKS: gl.constexpr, PERSISTENT: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup over its program's tiles (see _attend_tile): PERSISTENT, those the
     producer hands it (schedule, see _take) until it hands num_tiles; else p, p + P, ..."""
@@ -558,49 +628,65 @@ def _consumer(
         tile = _take(0, schedule, CONSUMER_WARPS)
         taken = 1  # tile indices taken from the producer so far
         while tile < num_tiles:
-            count, loaded = _attend_tile(tile, count, loaded, shared, HALF, PINGPONG, MASKS)
+            count, loaded = _attend_tile(tile, count, loaded, shared, HALF, PINGPONG, MASKS,
+                                         PACK)  # fmt: skip
             tile = _take(taken, schedule, CONSUMER_WARPS)
             taken += 1
     else:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            count, loaded = _attend_tile(tile, count, loaded, shared, HALF, PINGPONG, MASKS)
+            count, loaded = _attend_tile(tile, count, loaded, shared, HALF, PINGPONG, MASKS,
+                                         PACK)  # fmt: skip
     tma.store_wait(0)
 
 
 @gluon.constexpr_function
-def _masks(left, right, documents, kv_tail, q_tail):
-    return Masks(left, right, documents, kv_tail, q_tail)
+def _masks(left, right, documents, kv_tail, q_tail, query=False):
+    return Masks(left, right, documents, kv_tail, q_tail, query)
+
+
+@gluon.constexpr_function
+def half_layout(head_dim, dtype):
+    """The NVMMA shared layout of a [64, head_dim] query or output half (TMA and wgmma)."""
+    return gl.NVMMASharedLayout.get_default_for([HALF_M, head_dim], dtype)
 
 
 @gluon.jit
 def _forward_kernel(
     q_desc, k_desc, v_desc, o_desc, lse, row_order, next_tile, row_offsets, col_indices,
-    seq_len_q, seq_len_kv, heads_q, batch, group, stride_layout, layout_batch_stride,
-    layout_head_divisor, qk_scale, out, document_first, document_last, window_left, window_right,
-    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr,
-    KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
+    query_masks, seq_len_q, seq_len_kv, heads_q, batch, group, stride_layout,
+    layout_batch_stride, layout_head_divisor, qk_scale, out, document_first, document_last,
+    window_left, window_right, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    PERSISTENT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    HAS_DOCUMENTS: gl.constexpr, KV_TAIL: gl.constexpr, Q_TAIL: gl.constexpr,
+    HAS_QUERY_MASKS: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
-    """Grid (P,) over the ceil(S_q / 128) x B x H_q tiles in _tile's order (row_order: int32
-    [ceil(S_q / 128)], the query blocks heaviest first): program p runs tile p, and
-    PERSISTENT (P below the tile count) as long as tiles are left the next one of the order
-    (next_tile: an int32 counter, 0 at launch). q_desc / o_desc: 2-D views [B * S_q,
-    H_q * D] in blocks [64, D] (out: o_desc's tensor); k_desc / v_desc: [B * S_kv, H_kv * D] in
-    blocks [128, D]. The layout row of (b, h) is b * layout_batch_stride + h //
+    """Grid (P,) over the ceil(S_q / q_block) x B x H_q / PACK tiles in _tile's order
+    (row_order: int32 [ceil(S_q / q_block)], the query blocks heaviest first; q_block =
+    128 / PACK): program p runs tile p, and PERSISTENT (P below the tile count) as long as
+    tiles are left the next one of the order (next_tile: an int32 counter, 0 at launch). A
+    tile's 128 rows are q_block positions x PACK query heads of one GQA group (position
+    major, as [S, H, D] holds them). q_desc / o_desc: PACK 1, 2-D views [B * S_q, H_q * D]
+    in blocks [64, D]; PACK > 1, the 4-D tensors [B, S_q, H_q, D] in boxes [1, 64 / PACK,
+    PACK, D] (out: o_desc's tensor); k_desc / v_desc: [B * S_kv, H_kv * D] in blocks
+    [128, D]. The layout row of (b, h) is b * layout_batch_stride + h //
     layout_head_divisor. qk_scale = softmax_scale * log2(e). The masks (see Masks): HAS_LEFT /
     HAS_RIGHT keep keys j with i - window_left <= j / j <= i + window_right; HAS_DOCUMENTS keeps
     the keys of the query's document, from document_first to document_last (int32 [B, S], S_q ==
-    S_kv; see document_bounds)."""
-    HALF: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    S_kv; see document_bounds); HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
+    col_indices) has bit t of an entry set when position t of its query block reads its kv
+    block."""
+    HALF: gl.constexpr = HALF_ROWS
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL)
-    num_q_blocks = (seq_len_q + 2 * HALF - 1) // (2 * HALF)
-    num_tiles = num_q_blocks * heads_q * batch
+    MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL,
+                                 HAS_QUERY_MASKS)  # fmt: skip
+    Q_BLOCK: gl.constexpr = 2 * HALF // PACK
+    num_q_blocks = (seq_len_q + Q_BLOCK - 1) // Q_BLOCK
+    num_tiles = num_q_blocks * (heads_q // PACK) * batch
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], o_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], half_layout(HEAD_DIM, dtype))
+    o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], half_layout(HEAD_DIM, dtype))
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KV_ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KV_ROWS, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -640,15 +726,15 @@ def _forward_kernel(
     tail = (out, seq_len_q, heads_q * HEAD_DIM)
     # A tuple bound to a name holds tensors only: the constexprs go to the partitions apart.
     shared = (q_smem, o_smem, k_smem, v_smem, o_desc, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, turns, lse, col_indices, tiles, qk_scale, bounds,
+              v_ready, v_empty, turns, lse, col_indices, query_masks, tiles, qk_scale, bounds,
               tail)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, col_indices, tiles)  # fmt: skip
     # The default partition (this kernel's 4 warps) is the first consumer.
     gl.warp_specialize(
-        [(_consumer, (shared, num_tiles, schedule, UPPER, PINGPONG, MASKS, PERSISTENT)),
-         (_consumer, (shared, num_tiles, schedule, LOWER, PINGPONG, MASKS, PERSISTENT)),
-         (_producer, (loads, num_tiles, schedule, next_tile, PERSISTENT))],
+        [(_consumer, (shared, num_tiles, schedule, UPPER, PINGPONG, MASKS, PERSISTENT, PACK)),
+         (_consumer, (shared, num_tiles, schedule, LOWER, PINGPONG, MASKS, PERSISTENT, PACK)),
+         (_producer, (loads, num_tiles, schedule, next_tile, PERSISTENT, PACK))],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
@@ -676,6 +762,15 @@ def _descriptor(tensor: torch.Tensor, rows: int, columns: int | None = None) -> 
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
+def _packed_descriptor(tensor: torch.Tensor, pack: int) -> TensorDescriptor:
+    """The 4-D TMA view of a [B, S, H, D] tensor with contiguous rows in boxes [1, 64 / pack
+    positions, pack heads, D]: a query half of pack heads a position (TMA fills positions
+    from S on with zeros and drops them from stores)."""
+    block = [1, HALF_M // pack, pack, tensor.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
+
+
 def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """tensor itself when a [B * S, H * D] view of it exists and its base is 16-byte
     aligned (what TMA needs), else a contiguous copy."""
@@ -688,7 +783,7 @@ def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check(
     q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, causal, window_size,
-    document_ids, row_order, num_stages, programs,
+    document_ids, row_order, num_stages, programs, q_block, query_masks,
 ) -> tuple[int, int]:  # fmt: skip
     """ValueError / TypeError for what the kernel does not handle; returns the layout's
     (batch stride, head divisor)."""
@@ -743,21 +838,35 @@ def _check(
             raise TypeError(f"{name} must be int32, got {tensor.dtype}")
         if tensor.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {tensor.device}")
-    num_q_blocks = padded_length(seq_len_q) // BLOCK_M
+    if q_block not in QUERY_BLOCKS:
+        raise ValueError(f"q_block must be one of {QUERY_BLOCKS}, got {q_block!r}")
+    num_q_blocks = -(-seq_len_q // q_block)
     if row_offsets.shape[1] != num_q_blocks + 1 or row_offsets.stride(1) != 1:
         raise ValueError(
-            f"row_offsets must be [L, ceil(S_q / 128) + 1] = [L, {num_q_blocks + 1}] with unit "
-            f"stride along its rows (blocks of 128 queries), got {tuple(row_offsets.shape)}"
+            f"row_offsets must be [L, ceil(S_q / q_block) + 1] = [L, {num_q_blocks + 1}] with "
+            f"unit stride along its rows (blocks of q_block = {q_block} queries), got "
+            f"{tuple(row_offsets.shape)}"
         )
     if row_order is not None and not (
         isinstance(row_order, torch.Tensor) and row_order.dtype == torch.int32
         and tuple(row_order.shape) == (num_q_blocks,) and row_order.device == q.device
     ):  # fmt: skip
         raise ValueError(
-            f"row_order must be int32 [ceil(S_q / 128)] = [{num_q_blocks}] on {q.device} (the "
-            f"query blocks in launch order, as layout.heavy_rows_first() gives them), got "
+            f"row_order must be int32 [ceil(S_q / q_block)] = [{num_q_blocks}] on {q.device} "
+            f"(the query blocks in launch order, as layout.heavy_rows_first() gives them), got "
             f"{_describe(row_order)}"
         )
+    if query_masks is not None:
+        if not isinstance(query_masks, torch.Tensor) or query_masks.dtype != torch.int64:
+            raise TypeError(f"query_masks must be an int64 tensor, got {_describe(query_masks)}")
+        if tuple(query_masks.shape) != (col_indices.numel(),) or query_masks.device != q.device:
+            raise ValueError(
+                f"query_masks must be int64 [nnz] = [{col_indices.numel()}] on {q.device} (a "
+                f"word per entry of col_indices), got {_describe(query_masks)}"
+            )
+        if q_block > 64:
+            raise ValueError(f"query_masks hold 64 bits a word: q_block must be at most 64, got "
+                             f"{q_block}")  # fmt: skip
     if document_ids is not None:
         if not isinstance(document_ids, torch.Tensor):
             raise TypeError(f"document_ids must be a tensor or None, got {_describe(document_ids)}")
@@ -779,6 +888,9 @@ def _check(
             f"row_offsets has {rows} rows: it must have layout_batch ({layout_batch}) x "
             f"layout_heads rows, layout_heads in {{1, H_kv = {heads_kv}, H_q = {heads_q}}}"
         )
+    reason = packing_refusal(q_block, heads_q, heads_kv, layout_heads)
+    if reason is not None:
+        raise ValueError(reason)
     if programs is not None and not (
         isinstance(programs, int) and not isinstance(programs, bool) and programs > 0
     ):  # fmt: skip
@@ -793,6 +905,20 @@ def _check(
             f"the device gives {available}: use fewer stages"
         )
     return (layout_heads if layout_batch > 1 else 0), heads_q // layout_heads
+
+
+def packing_refusal(q_block: int, heads_q: int, heads_kv: int, layout_heads: int) -> str | None:
+    """Why tiles of q_block positions x 128 / q_block query heads cannot pack these heads
+    (they must share a kv head and a layout row), or None if they can."""
+    pack = BLOCK_M // q_block
+    for name, heads in (("H_kv", heads_kv), ("layout_heads", layout_heads)):
+        if (heads_q // heads) % pack:
+            return (
+                f"q_block {q_block} packs {pack} query heads into a tile's 128 rows, which "
+                f"must share a kv head and a layout row: H_q / {name} = {heads_q // heads} is "
+                f"not a multiple of {pack} (use q_block {BLOCK_M} or the triton backend)"
+            )
+    return None
 
 
 def _describe(value) -> str:
@@ -811,16 +937,17 @@ def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def kernel_masks(
-    causal: bool, window_size: tuple[int, int], documents: bool, seq_len_q: int, seq_len_kv: int
+    causal: bool, window_size: tuple[int, int], documents: bool, seq_len_q: int, seq_len_kv: int,
+    q_block: int = BLOCK_M,
 ) -> tuple[Masks, int, int]:
-    """The kernel's masks and window bounds (window_left, window_right) for a call: causal
-    is the right bound 0, a negative side is unbounded, a side past the longer sequence is
-    cut to it (which keeps what it masks and fits int32)."""
+    """The kernel's masks and window bounds (window_left, window_right) for a call over
+    tiles of q_block positions: causal is the right bound 0, a negative side is unbounded, a
+    side past the longer sequence is cut to it (which keeps what it masks and fits int32)."""
     longest = max(seq_len_q, seq_len_kv)
     window = mask_arguments(causal, tuple(min(side, longest) for side in window_size))
     masks = Masks(
         left=window["HAS_LEFT"], right=window["HAS_RIGHT"], documents=documents,
-        kv_tail=seq_len_kv % BLOCK_N != 0, q_tail=seq_len_q % BLOCK_M != 0,
+        kv_tail=seq_len_kv % BLOCK_N != 0, q_tail=seq_len_q % q_block != 0,
     )  # fmt: skip
     return masks, window["window_left"], window["window_right"]
 
@@ -841,18 +968,20 @@ def attention_forward(
     num_stages: int = 2,
     pingpong: bool = True,
     programs: int | None = None,
+    q_block: int = BLOCK_M,
+    query_masks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention forward on Hopper over 128 x 128 blocks, with element masks
-    on the blocks they cut.
+    """Block-sparse attention forward on Hopper over blocks of q_block queries x 128 keys,
+    with element masks on the blocks they cut.
 
     Args:
         q: [B, S_q, H_q, D]; k, v: [B, S_kv, H_kv, D]; float16 or bfloat16 on an sm_90
             GPU, D in {64, 128}, H_q a multiple of H_kv, finite (the rows past a batch
             element's end that a block reads are the next one's, masked). Tensors whose
             [B * S, H * D] view does not exist are copied first.
-        row_offsets: int32 [L, ceil(S_q / 128) + 1], CSR row pointers into col_indices (as
-            BlockLayout holds them, q_block = kv_block = 128); L = layout_batch x
-            layout_heads, layout_heads in {1, H_kv, H_q}.
+        row_offsets: int32 [L, ceil(S_q / q_block) + 1], CSR row pointers into col_indices
+            (as BlockLayout holds them, kv_block = 128); L = layout_batch x layout_heads,
+            layout_heads in {1, H_kv, H_q}.
         col_indices: int32 [nnz], the active kv blocks of each row (valid indices).
         softmax_scale: the factor of Q K^T before the softmax (positive).
         layout_batch: 1 (one layout for every batch element) or B.
@@ -861,7 +990,7 @@ def attention_forward(
             a side unbounded.
         document_ids: int32 [B, S] (S_q == S_kv, non-decreasing along S: each document one
             run of tokens): keys of another document are never seen.
-        row_order: int32 [ceil(S_q / 128)], the query blocks in launch order (all of them,
+        row_order: int32 [ceil(S_q / q_block)], the query blocks in launch order (all of them,
             once each); None: heaviest first, as layout.heavy_rows_first() (which caches
             it) gives them.
         num_stages: depth of the K/V shared-memory ring.
@@ -871,6 +1000,12 @@ def attention_forward(
             programs (at most one per tile), each starting on the tile of its index and
             taking the next one of the order from a counter, its loads running under the
             last one's end.
+        q_block: the layout's query block, one of QUERY_BLOCKS: a tile is q_block positions
+            x 128 / q_block query heads (they must share a kv head and a layout row), so
+            its K and V tiles serve 128 rows.
+        query_masks: None, or int64 [nnz] aligned with col_indices (q_block <= 64): bit t
+            set when position t of the entry's query block reads its kv block (per-token
+            selections); a row reads only its token's blocks.
 
     Returns:
         out like q (contiguous, q's dtype) and lse fp32 [B, H_q, S_q] (natural log; -inf
@@ -883,7 +1018,7 @@ def attention_forward(
     """
     layout_batch_stride, layout_head_divisor = _check(
         q, k, v, row_offsets, col_indices, softmax_scale, layout_batch, causal, window_size,
-        document_ids, row_order, num_stages, programs,
+        document_ids, row_order, num_stages, programs, q_block, query_masks,
     )  # fmt: skip
     q, k, v = (_rows_contiguous(tensor) for tensor in (q, k, v))
     batch, seq_len_q, heads_q, head_dim = q.shape
@@ -891,31 +1026,38 @@ def attention_forward(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads_q, seq_len_q, dtype=torch.float32, device=q.device)
     masks, window_left, window_right = kernel_masks(
-        causal, window_size, document_ids is not None, seq_len_q, seq_len_kv
+        causal, window_size, document_ids is not None, seq_len_q, seq_len_kv, q_block
     )
+    pack = BLOCK_M // q_block
     document_first, document_last = (
         (row_offsets, row_offsets) if document_ids is None else document_bounds(document_ids)
     )  # row_offsets stands in (never read) without documents
     if row_order is None:
         row_order = heavy_rows_first(row_offsets)
-    tiles = padded_length(seq_len_q) // BLOCK_M * heads_q * batch
+    tiles = -(-seq_len_q // q_block) * (heads_q // pack) * batch
     grid = (tiles if programs is None else min(tiles, programs),)
     # The counter persistent programs take their next tiles from (row_order stands in, never
     # read, for a program per tile).
     next_tile = row_order if programs is None else torch.zeros(1, dtype=torch.int32,
                                                                device=q.device)  # fmt: skip
+    if pack == 1:
+        q_desc, o_desc = _descriptor(q, HALF_M), _descriptor(out, HALF_M)
+    else:
+        q_desc, o_desc = _packed_descriptor(q, pack), _packed_descriptor(out, pack)
     _forward_kernel[grid](
-        q_desc=_descriptor(q, HALF_M), k_desc=_descriptor(k, BLOCK_N),
-        v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, HALF_M), lse=lse,
-        row_order=row_order, next_tile=next_tile,
+        q_desc=q_desc, k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
+        o_desc=o_desc, lse=lse, row_order=row_order, next_tile=next_tile,
         row_offsets=row_offsets, col_indices=col_indices,
+        # col_indices stands in (never read) without query masks
+        query_masks=col_indices if query_masks is None else query_masks,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, batch=batch,
         group=heads_q // k.shape[2],
         stride_layout=row_offsets.stride(0), layout_batch_stride=layout_batch_stride,
         layout_head_divisor=layout_head_divisor, qk_scale=softmax_scale * _env.LOG2_E, out=out,
         document_first=document_first, document_last=document_last,
         window_left=window_left, window_right=window_right, **masks.constexprs(),
-        NUM_STAGES=num_stages, PINGPONG=pingpong, PERSISTENT=programs is not None,
+        HAS_QUERY_MASKS=query_masks is not None, PACK=pack, NUM_STAGES=num_stages,
+        PINGPONG=pingpong, PERSISTENT=programs is not None,
         num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse

@@ -27,29 +27,31 @@ MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Mask
 
 # The unmasked kernel's instructions (codegen.sass_fingerprint) with a program per tile,
 # per Triton version (its bundled ptxas): those timed at 8ee744e (the same instructions,
-# the kernel parameters' offsets aside); a change to the fast path must be deliberate.
+# the kernel parameters' offsets aside: the query_masks argument moved them); a change to
+# the fast path must be deliberate.
 # (head_dim, dtype, num_stages, pingpong) -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
-        (128, "bf16", 2, True): "018fd9ae003c7d12",
-        (128, "bf16", 2, False): "6b9164e4e1b0b32a",
-        (128, "fp16", 2, True): "90f47410ff25be20",
-        (64, "bf16", 3, True): "c6ffe178b86a223a",
+        (128, "bf16", 2, True): "9b026cfad1ccf815",
+        (128, "bf16", 2, False): "50d292263a9d9010",
+        (128, "fp16", 2, True): "8f2ca859126d6592",
+        (64, "bf16", 3, True): "983b411d39a98cf6",
     },
 }
 
 # Compiles the variants given as JSON on argv[2] ([[head_dim, dtype, num_stages, pingpong,
-# {mask: True, ...}, persistent], ...]) into the folder argv[1]; prints one JSON report per
-# variant.
+# {mask: True, ...}, persistent, pack], ...]) into the folder argv[1]; prints one JSON report
+# per variant.
 SCRIPT = """
 import json, sys
 from flash_msa.ops.gluon import codegen, forward
-for head_dim, dtype, num_stages, pingpong, masks, persistent in json.loads(sys.argv[2]):
+for head_dim, dtype, num_stages, pingpong, masks, persistent, pack in json.loads(sys.argv[2]):
     report = codegen.compile_forward(sys.argv[1], head_dim=head_dim, dtype=dtype,
                                      num_stages=num_stages, pingpong=pingpong,
-                                     masks=forward.Masks(**masks), persistent=persistent)
+                                     masks=forward.Masks(**masks), persistent=persistent,
+                                     pack=pack)
     print(json.dumps(dict(report, head_dim=head_dim, dtype=dtype, num_stages=num_stages,
-                          pingpong=pingpong, masks=masks, persistent=persistent)))
+                          pingpong=pingpong, masks=masks, persistent=persistent, pack=pack)))
 """
 # The same for the backward: [[head_dim, dtype, num_stages, grad_q, {mask: True, ...}], ...].
 BACKWARD_SCRIPT = """
@@ -93,14 +95,20 @@ def compile_variants(folder, variants: list, script: str = SCRIPT) -> list[dict]
 
 # At the default launch (D=128, bf16, 2 stages, ping-pong: the most registers) no mask,
 # causal alone and all five masks, a program per tile and persistent (docs/performance.md);
-# the unmasked variant at the other launches, whose instructions are pinned above.
+# the unmasked variant at the other launches, whose instructions are pinned above; tiles
+# of packed query heads (MSA's main attention: 8 positions x 16 heads with per-token query
+# masks, 64 x 2 per query block) with and without them.
 ALL_MASKS = dict.fromkeys(MASK_NAMES, True)
 MASK_COMBINATIONS = [{}, {"right": True}, ALL_MASKS]
+PER_TOKEN = {"right": True, "query": True, "q_tail": True, "kv_tail": True}
 VARIANTS = [
-    *([128, "bf16", 2, True, masks, persistent] for masks in MASK_COMBINATIONS
+    *([128, "bf16", 2, True, masks, persistent, 1] for masks in MASK_COMBINATIONS
       for persistent in (False, True)),
-    *([*launch, {}, False] for launch in ([128, "bf16", 2, False], [128, "fp16", 2, True],
-                                          [64, "bf16", 3, True])),
+    *([*launch, {}, False, 1] for launch in ([128, "bf16", 2, False], [128, "fp16", 2, True],
+                                             [64, "bf16", 3, True])),
+    [128, "bf16", 2, True, PER_TOKEN, False, 16], [128, "bf16", 2, True, PER_TOKEN, True, 16],
+    [64, "fp16", 2, True, {**ALL_MASKS, "query": True}, False, 8],
+    [128, "bf16", 2, True, {"right": True}, False, 2],
 ]  # fmt: skip
 
 
@@ -112,7 +120,8 @@ def reports(tmp_path_factory) -> list[dict]:
 def label(report: dict) -> str:
     masks = "+".join(report["masks"]) or "no masks"
     return f"D={report['head_dim']} {report['dtype']} stages={report['num_stages']} " \
-           f"pingpong={report['pingpong']} persistent={report['persistent']} {masks}"  # fmt: skip
+           f"pingpong={report['pingpong']} persistent={report['persistent']} " \
+           f"pack={report['pack']} {masks}"  # fmt: skip
 
 
 def test_forward_compiles_for_hopper(reports):
@@ -162,7 +171,7 @@ def test_unmasked_variant_keeps_its_instructions(reports):
     unmasked = {
         (r["head_dim"], r["dtype"], r["num_stages"], r["pingpong"]): r["fingerprint"]
         for r in reports
-        if not r["masks"] and not r["persistent"]
+        if not r["masks"] and not r["persistent"] and r["pack"] == 1
     }
     assert unmasked == expected
 
