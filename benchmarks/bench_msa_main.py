@@ -1,5 +1,5 @@
-"""MSA's main attention on real selections, per backend: the gluon forward (tiles of packed
-query heads with per-token query masks) against the triton one, forward and forward +
+"""MSA's main attention on real selections, per backend: the gluon kernels (tiles of packed
+query heads with per-token query masks) against the triton ones, forward and forward +
 backward, on one GPU.
 
     python benchmarks/bench_msa_main.py [--seq-lens 128k,1m] [--variants token:8,block:64]
@@ -7,11 +7,11 @@ backward, on one GPU.
 bench_msa's inputs (bf16, B=1, H_q=64, H_kv=4, D=128; 4 proxy heads, top_k 16, kv_block 128;
 causal) with local proxies; each variant (granularity:q_block) selects once, then
 block_sparse_attn_func runs over that selection with backend "triton" and "gluon" (whose
-backward is the Triton one for these tiles). TFLOP/s over the (query, key <= query) pairs the
-selection holds (forward 4 D flops a pair and head, forward + backward 3.5x that); each
-gluon record carries its output's and lse's relative difference from triton's. Writes
-DIR/msa_main.json and msa_main.md (DIR defaults to benchmarks/results/<gpu>/), keeping the
-records of the cases this run leaves out.
+backward takes dK and dV from its Gluon kernel, dQ from the Triton dQ kernel). TFLOP/s over
+the (query, key <= query) pairs the selection holds (forward 4 D flops a pair and head,
+forward + backward 3.5x that); each gluon record carries its output's and lse's relative
+difference from triton's. Writes DIR/msa_main.json and msa_main.md (DIR defaults to
+benchmarks/results/<gpu>/), keeping the records of the cases this run leaves out.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         notes="bf16, B=1, H_q=64, H_kv=4, D=128; 4 proxy heads, top_k 16, kv_block 128, causal; "
         "local proxies. Granularity token: q_block tokens x 16 heads a tile over the union of "
         "the tokens' blocks, a bit per token; block: one choice per 64-query block (64 x 2 "
-        "heads a gluon tile). The gluon backward is the Triton one for these tiles. Medians "
+        "heads a gluon tile). The gluon backward takes dQ from the Triton dQ kernel. Medians "
         "of do_bench; TFLOP/s over the selected (query, key <= query) pairs.",
         body=markdown_table(columns, rows),
     )  # fmt: skip

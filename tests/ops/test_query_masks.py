@@ -423,10 +423,11 @@ def on_hopper() -> bool:
 @pytest.mark.parametrize("name", list(GLUON_CASES))
 def test_gluon_packed_tiles_within_twice_torch_error(name, with_masks, dtype, head_dim,
                                                      poisoned_allocations):  # fmt: skip
-    """Tiles of packed query heads (q_block 2 to 64): the Gluon forward and the backward it
-    hands to the Triton kernels, with the per-token words and without them (every token of
-    a query block reads the union of their blocks), against float64 by FlashAttention's
-    rule: each of out, lse, dq, dk, dv within 2x PyTorch's error in the inputs' dtype."""
+    """Tiles of packed query heads (q_block 2 to 64): the Gluon forward and backward (dK and
+    dV in Gluon, dQ from the Triton dQ kernel), with the per-token words and without them
+    (every token of a query block reads the union of their blocks), against float64 by
+    FlashAttention's rule: each of out, lse, dq, dk, dv within 2x PyTorch's error in the
+    inputs' dtype."""
     case = GLUON_CASES[name]
     _, layout, query_masks, options, mask = problem(case, torch.float32)
     if not with_masks:  # the union layout, read whole by every token
@@ -446,6 +447,29 @@ def test_gluon_packed_tiles_within_twice_torch_error(name, with_masks, dtype, he
         error = relative_error(got, truth)
         torch_error = relative_error(rounded, truth)
         assert error <= 2 * torch_error + 1e-6, f"{label}: {error:.3g} vs torch {torch_error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU (H100, H200)")
+def test_gluon_packed_gradients_are_bitwise_equal():
+    """The gluon backward of packed tiles repeats its bits (dK and dV in registers per
+    program, dQ written once per element), with deterministic=False too."""
+    case = GLUON_CASES["8x16-per-kv-head"]
+    _, layout, query_masks, options, _ = problem(case, torch.float32)
+    q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, 128, heads_kv=case.heads_kv,
+                         dtype=torch.bfloat16, device="cuda", seed=case.seed)  # fmt: skip
+    grad_out = torch.randn_like(q)
+
+    def grads(deterministic):
+        tensors = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = block_sparse_attn_func(*tensors, layout, backend="gluon", query_masks=query_masks,
+                                     deterministic=deterministic, **options)  # fmt: skip
+        return torch.autograd.grad(out, tensors, grad_out)
+
+    first = grads(True)
+    for deterministic in (True, False, True):
+        for a, b in zip(first, grads(deterministic), strict=True):
+            assert torch.equal(a, b)
 
 
 def test_gluon_packs_only_heads_that_share_a_kv_head_and_a_layout_row():

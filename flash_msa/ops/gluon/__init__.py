@@ -11,8 +11,8 @@ refuses (dropout, and what _check names) to the next backend.
 
 Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
 into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
-selection, 8 x 16 per token), with or without per-token query masks: the forward runs in
-Gluon, the backward in the Triton kernels, which take such tiles.
+selection, 8 x 16 per token), with or without per-token query masks, forward and backward
+(dK and dV in Gluon, dQ from the Triton dQ kernel: deterministic either way).
 """
 
 import functools
@@ -29,7 +29,7 @@ from flash_msa.ops.gluon.forward import (
     packing_refusal,
     padded_length,
 )
-from flash_msa.ops.registry import AttentionCall, Backend, Refusal, get
+from flash_msa.ops.registry import AttentionCall, Backend, Refusal
 
 
 def _forward(
@@ -48,20 +48,17 @@ def _forward(
 
 def _backward(
     grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
-    deterministic=True, **without_dropout,
+    query_masks, deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
     faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward.
-    Tiles of packed heads (q_block below 128) take the Triton backward (reproducible)."""
-    options = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale,
-                   document_ids=document_ids)  # fmt: skip
-    if layout.q_block != BLOCK_M:
-        return get("triton").backward(grad_out, q, k, v, out, lse, layout, **options,
-                                      **without_dropout)  # fmt: skip
+    Tiles of packed heads (q_block below 128) take "triton" either way."""
+    fused = not deterministic and layout.q_block == BLOCK_M
     return backward.attention_backward(
-        grad_out, q, k, v, out, lse, layout, **options,
-        grad_q="triton" if deterministic else "atomic",
-    )
+        grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
+        grad_q="atomic" if fused else "triton",
+    )  # fmt: skip
 
 
 def _check(call: AttentionCall) -> Refusal | None:

@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.gluon.forward import (
+    BLOCK_M,
     CONSUMER_REGISTERS,
     CONSUMER_WARPS,
     LOWER,
@@ -60,56 +61,62 @@ from flash_msa.ops.gluon.forward import (
     PRODUCER_WARPS,
     UPPER,
     _descriptor,
+    _mask_rows,
     _mask_scores,
     _masks,
+    _packed_descriptor,
     _partial,
+    _query_word,
     _rows_contiguous,
     _store_rows,
     _store_tile,
     _visible_keys,
     document_bounds,
+    half_layout,
     kernel_masks,
     mma_layout,
 )
+from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton.backward import grad_q_and_delta
 from flash_msa.ops.triton.common import layout_arguments
 
 BLOCK_N = 128  # keys of one program (one layout block)
 HALF_N = 64  # keys of one consumer warpgroup
 QUERY_ROWS = 64  # query rows of one step (half a layout block)
+QUERY_ROWS_CONSTEXPR: gl.constexpr = gl.constexpr(QUERY_ROWS)
 LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
 
 
 @gluon.jit
-def _column(walk, member):
-    """Query head `member` of the program's GQA group, and [start, end) of the transposed
-    layout's entries (query blocks) of the program's kv block for that head."""
+def _column(walk, member, PACK: gl.constexpr = 1):
+    """The first query head of the program's GQA group's member-th PACK heads, and
+    [start, end) of the transposed layout's entries (query blocks) of the program's kv block
+    for those heads (PACK heads share a layout row)."""
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
-    head = kv_head * group + member
+    head = kv_head * group + member * PACK
     layout_row = batch * layout_batch_stride + head // layout_head_divisor
     row = t_row_offsets + layout_row * stride_layout
     return head, gl.load(row + kv_block), gl.load(row + kv_block + 1)
 
 
 @gluon.jit
-def _query_first(t_col_indices, half_block, ROWS: gl.constexpr):
-    """The first query position of step `half_block` of a column: half half_block % 2 of the
-    query block of entry half_block // 2."""
-    return gl.load(t_col_indices + half_block // 2) * (2 * ROWS) + (half_block % 2) * ROWS
+def _query_first(t_col_indices, half_block, TOKENS: gl.constexpr):
+    """The first query position of step `half_block` of a column: half half_block % 2 (TOKENS
+    positions) of the query block of entry half_block // 2."""
+    return gl.load(t_col_indices + half_block // 2) * (2 * TOKENS) + (half_block % 2) * TOKENS
 
 
 @gluon.jit
-def _producer(
-    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
-    q_empty, do_ready, do_empty, walk,
-):  # fmt: skip
+def _producer(loads, PACK: gl.constexpr):
     """One warp: K and V once, then both halves of Q and dO of each query block of the
-    column, head after head of the group, into the ring."""
+    column, PACK heads after PACK heads of the group, into the ring."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
+     q_empty, do_ready, do_empty, walk) = loads  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     kv_row = batch * seq_len_kv + kv_block * KV_ROWS
@@ -120,33 +127,49 @@ def _producer(
     tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_ready.index(1),
                                     v_smem)  # fmt: skip
     step = 0
-    for member in range(group):
-        head, start, end = _column(walk, member)
-        # Two steps per entry: its query block's halves of ROWS rows.
+    for member in range(group // PACK):
+        head, start, end = _column(walk, member, PACK)
+        # Two steps per entry: its query block's halves of ROWS rows (ROWS / PACK positions).
         for half_block in range(2 * start, 2 * end):
-            q_row = batch * seq_len_q + _query_first(t_col_indices, half_block, ROWS)
+            query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
             # A fresh barrier counts as having completed the phase before 0.
             mbarrier.wait(q_empty.index(stage), phase ^ 1)
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM],
-                                            q_ready.index(stage), q_smem.index(stage))  # fmt: skip
+            _load_half(q_desc, q_smem.index(stage), q_ready.index(stage), batch, seq_len_q,
+                       query_first, head, PACK)  # fmt: skip
             mbarrier.wait(do_empty.index(stage), phase ^ 1)
-            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [q_row, head * HEAD_DIM],
-                                            do_ready.index(stage),
-                                            do_smem.index(stage))  # fmt: skip
+            _load_half(do_desc, do_smem.index(stage), do_ready.index(stage), batch, seq_len_q,
+                       query_first, head, PACK)  # fmt: skip
             step += 1
 
 
 @gluon.jit
+def _load_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK: gl.constexpr):
+    """A TMA load of the query half [ROWS, D] from position query_first, head `head`, into
+    the shared tile `half`, completing `ready`: PACK 1, a block of the 2-D view; PACK > 1,
+    the 4-D view's box [1, ROWS / PACK positions, PACK heads, D] (zeros from S_q on)."""
+    HEAD_DIM: gl.constexpr = half.type.shape[1]
+    mbarrier.expect(ready, desc.block_type.nbytes)
+    if PACK == 1:
+        tma.async_copy_global_to_shared(desc, [batch * seq_len_q + query_first, head * HEAD_DIM],
+                                        ready, half)  # fmt: skip
+    else:
+        tma.async_copy_global_to_shared(desc, [batch, query_first, head, 0], ready,
+                                        half.reshape(desc.block_type.shape))  # fmt: skip
+
+
+@gluon.jit
 def _query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, other,
-                LSE: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """The ROWS queries' values [ROWS] in `layout` (`other` past S_q); LSE: the lse in log2
-    units, +inf for rows that see no key, so that their P is 0 (as past S_q, other=inf)."""
-    queries = query_first + gl.arange(0, ROWS, layout=layout)
-    rows = gl.load(values + row_offset + queries, mask=queries < seq_len_q, other=other)
+                LSE: gl.constexpr, layout: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
+    """The ROWS rows' values [ROWS] in `layout` (`other` past S_q) of [B, H_q, S_q] values
+    from row_offset (the first head's row); row r is position query_first + r // PACK of
+    head r % PACK. LSE: the lse in log2 units, +inf for rows that see no key, so that their
+    P is 0 (as past S_q, other=inf)."""
+    slots = gl.arange(0, ROWS, layout=layout)
+    queries = query_first + slots // PACK
+    offsets = row_offset + (slots % PACK) * seq_len_q + queries
+    rows = gl.load(values + offsets, mask=queries < seq_len_q, other=other)
     if LSE:
         rows = gl.where(rows == float("-inf"), float("inf"), rows * LOG2_E)
     return rows
@@ -202,7 +225,7 @@ def _dq_writer(writes, MODE: gl.constexpr):
         for member in range(group):
             head, start, end = _column(walk, member)
             for half_block in range(2 * start, 2 * end):
-                query_first = _query_first(t_col_indices, half_block, ROWS)
+                query_first = _query_first(t_col_indices, half_block, ROWS)  # PACK 1
                 if MODE.ordered:
                     counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
                                + query_first // ROWS)  # fmt: skip
@@ -231,15 +254,18 @@ def _dq_writer(writes, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr):
+def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexpr,
+              PACK: gl.constexpr):  # fmt: skip
     """One warpgroup: keys HALF * 64 .. HALF * 64 + 63 of the program's kv tile; dK and dV
-    of those keys, and with MODE.fused their share of dQ."""
+    of those keys, and with MODE.fused their share of dQ. A step's 64 rows are 64 / PACK
+    positions x PACK query heads (row r: position r // PACK, head r % PACK)."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full, dq_empty,
      dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse, delta, walk,
-     heads_q, qk_scale, softmax_scale, bounds, tail) = shared  # fmt: skip
+     heads_q, qk_scale, softmax_scale, bounds, tail, query_masks) = shared  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
+    TOKENS: gl.constexpr = ROWS // PACK  # positions of a step's rows
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[0] // 2
@@ -262,11 +288,11 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     step = 0
-    for member in range(group):
-        head, start, end = _column(walk, member)
+    for member in range(group // PACK):
+        head, start, end = _column(walk, member, PACK)
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
         for half_block in range(2 * start, 2 * end):
-            query_first = _query_first(t_col_indices, half_block, ROWS)
+            query_first = _query_first(t_col_indices, half_block, TOKENS)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
             buffer = step % 2
@@ -281,14 +307,20 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
             dp = warpgroup_mma(do_tile, v_mine.permute((1, 0)), dp, use_acc=False,
                                is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
             row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
-                                  True, rows)  # fmt: skip  # [QUERY_ROWS]
+                                  True, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
             row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
-                                    False, rows)  # fmt: skip  # [QUERY_ROWS]
+                                    False, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
+            if MASKS.scores:
+                visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS, PACK)
+                partial = _partial(key_first, visible, KEYS, MASKS)
+            if MASKS.query:  # the entry's word; bit t: position t of its query block
+                words = (query_masks, (half_block % 2) * TOKENS)
+                word, partial = _query_word(words, half_block // 2, partial, ROWS, PACK)
             s = warpgroup_mma_wait(1, deps=(s,))
             if MASKS.scores:
-                visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS)
-                partial = _partial(key_first, visible, KEYS, MASKS)
                 s = _mask_scores(s, partial, key_first, visible, 1, MASKS)
+            if MASKS.query:
+                s = _mask_rows(s, partial, word, words, PACK)
             p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 1))  # [QUERY_ROWS, KEYS]
             # P and dS reach their matmuls with the keys on M (dV = P^T dO, dK = dS^T Q)
             # from shared memory: queries on M keep lse and delta at two registers a thread.
@@ -364,15 +396,17 @@ def _backward_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse, delta, grad_k, grad_v,
     t_row_offsets, t_col_indices, seq_len_q, seq_len_kv, heads_q, group, stride_layout,
     layout_batch_stride, layout_head_divisor, qk_scale, softmax_scale, document_first,
-    document_last, window_left, window_right, counters, halves, turns,
+    document_last, window_left, window_right, counters, halves, turns, query_masks,
     NUM_STAGES: gl.constexpr,
     GRAD_Q: gl.constexpr, ORDERED: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr, KV_TAIL: gl.constexpr,
-    Q_TAIL: gl.constexpr,
+    Q_TAIL: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
-    ones are the heaviest; with MODE.ordered the last first). q_desc / do_desc:
-    [B * S_q, H_q * D] in blocks [64, D]; k_desc, v_desc: [B * S_kv, H_kv * D] in blocks
+    ones are the heaviest; with MODE.ordered the last first). q_desc / do_desc: PACK 1,
+    [B * S_q, H_q * D] in blocks [64, D]; PACK > 1 (query blocks of 128 / PACK positions x
+    PACK heads of the group, as the forward's tiles), the 4-D tensors [B, S_q, H_q, D] in
+    boxes [1, 64 / PACK, PACK, D]; k_desc, v_desc: [B * S_kv, H_kv * D] in blocks
     [128, D]; dk_desc / dv_desc: grad_k / grad_v's like views in blocks [64, D]. lse
     (natural log), delta = rowsum(dO * O): fp32 [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32
     [B * S_q, H_q * D] view of zeros in blocks [64, D / 2], added to (TMA reduce-adds; rows
@@ -380,12 +414,15 @@ def _backward_kernel(
     the query halves of a head, 2 * ceil(S_q / 128)) and turns: i32 [nnz], each entry of
     the transposed layout's turn in its query block's row (entry_turns, _dq_writer). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
-    Masks as in the forward kernel."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    Masks as in the forward kernel; HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
+    the transposed layout's entries) has bit t of an entry set when position t of its query
+    block reads its kv block."""
+    ROWS: gl.constexpr = QUERY_ROWS_CONSTEXPR
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL)
+    MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL,
+                                 HAS_QUERY_MASKS)  # fmt: skip
     # A NamedTuple, not bools: those reach warp_specialize's partitions as run-time values.
     MODE: gl.constexpr = _grad_q_mode(GRAD_Q, ORDERED)
     kv_block = gl.program_id(0)
@@ -394,8 +431,10 @@ def _backward_kernel(
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
 
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM], do_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM],
+                                       half_layout(HEAD_DIM, dtype))  # fmt: skip
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, HEAD_DIM],
+                                        half_layout(HEAD_DIM, dtype))  # fmt: skip
     k_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_ROWS, HEAD_DIM], v_desc.layout)
     # P of each warpgroup [warpgroup, 64 queries, 64 keys] (16 KB); dS of both
@@ -441,13 +480,14 @@ def _backward_kernel(
             seq_len_kv, stride_layout, layout_batch_stride, layout_head_divisor)  # fmt: skip
     shared = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ds_ready, dq_smem, dq_full,
               dq_empty, dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse,
-              delta, walk, heads_q, qk_scale, softmax_scale, bounds, tail)  # fmt: skip
+              delta, walk, heads_q, qk_scale, softmax_scale, bounds, tail,
+              query_masks)  # fmt: skip
     writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns)
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
-        [(_consumer, (shared, UPPER, MODE, MASKS)),
-         (_consumer, (shared, LOWER, MODE, MASKS)), (_producer, loads),
+        [(_consumer, (shared, UPPER, MODE, MASKS, PACK)),
+         (_consumer, (shared, LOWER, MODE, MASKS, PACK)), (_producer, (loads, PACK)),
          (_dq_writer, (writes, MODE))],
         [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
@@ -510,19 +550,24 @@ def attention_backward(
     window_size: tuple[int, int],
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
+    query_masks: QueryMasks | None = None,
     grad_q: str = "triton",
     num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the Gluon forward on kernel-ready inputs (custom_op.py makes them so),
-    q_block = kv_block = 128.
+    kv_block 128, layout.q_block one of forward.QUERY_BLOCKS (below 128: 128 / q_block
+    query heads of a GQA group in a query block's 128 rows, as the forward packs them).
 
     Args:
         grad_out, q, k, v, out, lse, layout, causal, window_size, softmax_scale,
             document_ids: as in forward.attention_forward and its (out, lse).
+        query_masks: per-token selections (q_block <= 64): the dQ kernel reads the CSR
+            words, the dK/dV kernel the CSC ones.
         grad_q: how dQ is computed: "triton", by the Triton dQ kernel over the rows (seven
             matmuls per block pair, bitwise reproducible); "ordered", beside dK and dV in
             the Gluon kernel (five matmuls), added to an fp32 dQ in each query half's kv
-            order (bitwise reproducible); "atomic", the same added in any order.
+            order (bitwise reproducible); "atomic", the same added in any order. Query
+            blocks below 128 take "triton" only.
         num_stages: depth of the Q / dO shared-memory ring (2 for "ordered" and "atomic",
             whose P, dS and dQ tiles take 80 KB of shared memory).
 
@@ -532,6 +577,12 @@ def attention_backward(
     if grad_q not in GRAD_Q_MODES:
         raise ValueError(f"grad_q must be one of {GRAD_Q_MODES}, got {grad_q!r}")
     fused = grad_q != "triton"
+    pack = BLOCK_M // layout.q_block
+    if fused and pack > 1:
+        raise ValueError(
+            f"grad_q={grad_q!r} adds dQ tiles of 64 positions of one head: q_block "
+            f"{layout.q_block} packs {pack} heads a tile, use grad_q='triton'"
+        )
     if fused and num_stages > 2:
         raise ValueError(
             f"grad_q={grad_q!r} stages dS and dQ in shared memory: num_stages must be 2, got "
@@ -551,20 +602,25 @@ def attention_backward(
             counters = torch.zeros(batch, heads_q, halves, dtype=torch.int32, device=q.device)
             turns = entry_turns(layout)
     else:
-        dq, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options)
+        dq, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options,
+                                     query_masks=query_masks)  # fmt: skip
         accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)  # never read
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     masks, window_left, window_right = kernel_masks(
-        causal, window_size, document_ids is not None, seq_len_q, seq_len_kv
+        causal, window_size, document_ids is not None, seq_len_q, seq_len_kv, layout.q_block
     )
     transposed = layout.transpose()
     document_first, document_last = (
         (lse, lse) if document_ids is None else document_bounds(document_ids)
     )  # lse stands in (never read) without documents
     grid = (transposed.row_offsets.shape[1] - 1, heads_kv, batch)
+    if pack == 1:
+        q_desc, do_desc = _descriptor(q, QUERY_ROWS), _descriptor(grad_out, QUERY_ROWS)
+    else:
+        q_desc, do_desc = _packed_descriptor(q, pack), _packed_descriptor(grad_out, pack)
     _backward_kernel[grid](
-        q_desc=_descriptor(q, QUERY_ROWS), do_desc=_descriptor(grad_out, QUERY_ROWS),
+        q_desc=q_desc, do_desc=do_desc,
         k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
         dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N),
         dq_desc=_descriptor(accumulated, QUERY_ROWS, head_dim // 2), lse=lse, delta=delta,
@@ -575,8 +631,12 @@ def attention_backward(
         qk_scale=softmax_scale * _env.LOG2_E,
         softmax_scale=softmax_scale, document_first=document_first,
         document_last=document_last, window_left=window_left, window_right=window_right,
-        counters=counters, halves=halves, turns=turns, NUM_STAGES=num_stages, GRAD_Q=fused,
-        ORDERED=grad_q == "ordered", **masks.constexprs(), num_warps=4, maxnreg=MAX_REGISTERS,
+        counters=counters, halves=halves, turns=turns,
+        # lse stands in (never read) without query masks
+        query_masks=lse if query_masks is None else query_masks.csc, NUM_STAGES=num_stages,
+        GRAD_Q=fused, ORDERED=grad_q == "ordered", **masks.constexprs(),
+        HAS_QUERY_MASKS=query_masks is not None, PACK=pack, num_warps=4,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if fused:
         dq = accumulated.to(q.dtype)

@@ -132,25 +132,33 @@ def compile_forward(
 
 def compile_backward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    grad_q: str = "atomic", masks=None,
+    grad_q: str = "atomic", masks=None, pack: int = 1,
 ) -> dict:  # fmt: skip
     """Compile backward._backward_kernel for sm_90a (grad_q: its mode, as in
-    backward.attention_backward) and report as compile_forward does."""
+    backward.attention_backward; masks.query: per-token query masks; query blocks of
+    128 / pack positions x pack query heads) and report as compile_forward does."""
     from flash_msa.ops.gluon import backward, forward
 
     masks = forward.Masks() if masks is None else masks
-    rows = dict(q_desc=backward.QUERY_ROWS, do_desc=backward.QUERY_ROWS, k_desc=backward.BLOCK_N,
-                v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N, dv_desc=backward.HALF_N)
+    rows = dict(k_desc=backward.BLOCK_N, v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N,
+                dv_desc=backward.HALF_N)  # fmt: skip
     types = {name: descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
+    half = ((backward.QUERY_ROWS, head_dim) if pack == 1
+            else (1, backward.QUERY_ROWS // pack, pack, head_dim))  # fmt: skip
     types.update(
+        q_desc=descriptor_type(dtype, *half), do_desc=descriptor_type(dtype, *half),
         dq_desc=descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
         delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",
+        query_masks="*i64",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q != "triton",
-                      ORDERED=grad_q == "ordered", **masks.constexprs())  # fmt: skip
-    name = f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{_mask_flags(masks)}"
+                      ORDERED=grad_q == "ordered", **masks.constexprs(),
+                      HAS_QUERY_MASKS=masks.query, PACK=pack)  # fmt: skip
+    packed = f"_pack{pack}" if pack > 1 else ""
+    name = (f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{packed}"
+            f"{_mask_flags(masks)}")  # fmt: skip
     return compile_kernel(backward._backward_kernel, types, constexprs, workdir, name)
 
 

@@ -468,10 +468,11 @@ def grad_q_and_delta(
     window_size: tuple[int, int],
     softmax_scale: float,
     document_ids: torch.Tensor | None = None,
+    query_masks: QueryMasks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dQ (like q) and delta = rowsum(dO * O) (fp32 [B, H_q, S_q]) from the dQ kernel alone,
     for a backend that computes dK and dV itself; arguments as in attention_backward (no
-    dropout, no block positions, no query masks)."""
+    dropout, no block positions)."""
     delta = torch.empty_like(lse)
     tma = resolve_tma(None, q, k, v, out, grad_out, kv_padding=0)
     shared = _shared_arguments(
@@ -479,7 +480,8 @@ def grad_q_and_delta(
         softmax_scale=softmax_scale, document_ids=document_ids, dropout_p=0.0, dropout_seed=0,
         positions=None, tma=tma,
     )  # fmt: skip
-    return _grad_q(grad_out, q, k, out, lse, layout, shared, None, tma, None, None), delta
+    grad_q = _grad_q(grad_out, q, k, out, lse, layout, shared, query_masks, tma, None, None)
+    return grad_q, delta
 
 
 def attention_backward(

@@ -53,15 +53,16 @@ for head_dim, dtype, num_stages, pingpong, masks, persistent, pack in json.loads
     print(json.dumps(dict(report, head_dim=head_dim, dtype=dtype, num_stages=num_stages,
                           pingpong=pingpong, masks=masks, persistent=persistent, pack=pack)))
 """
-# The same for the backward: [[head_dim, dtype, num_stages, grad_q, {mask: True, ...}], ...].
+# The same for the backward: [[head_dim, dtype, num_stages, grad_q, {mask: True, ...}, pack],
+# ...].
 BACKWARD_SCRIPT = """
 import json, sys
 from flash_msa.ops.gluon import codegen, forward
-for head_dim, dtype, num_stages, grad_q, masks in json.loads(sys.argv[2]):
+for head_dim, dtype, num_stages, grad_q, masks, pack in json.loads(sys.argv[2]):
     report = codegen.compile_backward(sys.argv[1], head_dim=head_dim, dtype=dtype,
                                       num_stages=num_stages, grad_q=grad_q,
-                                      masks=forward.Masks(**masks))
-    print(json.dumps(dict(report, grad_q=grad_q, masks=masks)))
+                                      masks=forward.Masks(**masks), pack=pack)
+    print(json.dumps(dict(report, grad_q=grad_q, masks=masks, pack=pack)))
 """
 
 
@@ -146,15 +147,19 @@ def test_forward_compiles_for_hopper(reports):
 
 
 def test_backward_compiles_for_hopper(tmp_path):
-    """The backward in each dQ mode (the Triton dQ kernel's with every mask), uses wgmma
-    within the consumers' register budget and Hopper's shared memory. Its spills are
-    measured, not pinned (docs/performance.md)."""
-    variants = [[128, "bf16", 2, "atomic", {}], [64, "bf16", 2, "ordered", ALL_MASKS],
-                [128, "fp16", 3, "triton", ALL_MASKS]]  # fmt: skip
+    """The backward in each dQ mode (the Triton dQ kernel's with every mask), and over
+    query blocks of packed heads with per-token query masks (MSA's 8 x 16 per token, 64 x
+    2), uses wgmma within the consumers' register budget and Hopper's shared memory. Its
+    spills are measured, not pinned (docs/performance.md)."""
+    variants = [[128, "bf16", 2, "atomic", {}, 1], [64, "bf16", 2, "ordered", ALL_MASKS, 1],
+                [128, "fp16", 3, "triton", ALL_MASKS, 1],
+                [128, "bf16", 2, "triton", PER_TOKEN, 16],
+                [64, "fp16", 2, "triton", {**ALL_MASKS, "query": True}, 2]]  # fmt: skip
     reports = compile_variants(tmp_path, variants, BACKWARD_SCRIPT)
     assert len(reports) == len(variants)
     for report in reports:
-        name = f"grad_q={report['grad_q']} {'+'.join(report['masks']) or 'no masks'}"
+        name = (f"grad_q={report['grad_q']} pack={report['pack']} "
+                f"{'+'.join(report['masks']) or 'no masks'}")  # fmt: skip
         assert report["wgmma"], f"{name}: no warpgroup MMA"
         assert not report["warnings"], f"{name}: {report['warnings']}"
         assert report["max_register"] <= CONSUMER_REGISTERS, name
@@ -184,6 +189,21 @@ def test_shared_memory_need_bounds_the_compiled_kernel(reports):
     for report in reports:
         need = forward.shared_memory_need(report["head_dim"], report["num_stages"])
         assert report["shared"] <= need <= report["shared"] + 4096, (label(report), need)
+
+
+def test_backward_of_packed_tiles_takes_dq_from_the_dq_kernel_only():
+    """dQ tiles added in the kernel hold 64 positions of one head: over query blocks of
+    packed heads the backward refuses those modes before any launch, naming the one left."""
+    from flash_msa.ops.gluon import backward
+
+    q, k, v = random_qkv(1, 256, 16, 64)
+    layout = patterns.causal(256, q_block=8, kv_block=128)
+    lse = torch.zeros(1, 16, 256)
+    for grad_q in ("atomic", "ordered"):
+        with pytest.raises(ValueError, match="q_block 8 packs 16 heads a tile, use grad_q='tr"):
+            backward.attention_backward(q, q, k, v, q, lse, layout, causal=True,
+                                        window_size=(-1, -1), softmax_scale=0.125,
+                                        grad_q=grad_q)  # fmt: skip
 
 
 def test_refuses_cpu_tensors_and_bad_mask_options():
