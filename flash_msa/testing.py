@@ -139,7 +139,8 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 def assemble_for_sm90(ptx: str, workdir: str, name: str) -> dict:
     """Assemble PTX text for sm_90a with the ptxas Triton bundles: {"registers", "spills":
-    bytes of spill stores, "warnings": ptxas's warning lines, "cubin": its path}."""
+    bytes of spill stores, "warnings": ptxas's warning lines and its "Potential Performance
+    Loss" notes (e.g. C7512: wgmma serialised for want of registers), "cubin": its path}."""
     path = os.path.join(workdir, f"{name}.ptx")
     with open(path, "w") as handle:
         handle.write(ptx)
@@ -150,7 +151,8 @@ def assemble_for_sm90(ptx: str, workdir: str, name: str) -> dict:
     return dict(
         registers=int(re.search(r"Used (\d+) registers", report).group(1)),
         spills=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
-        warnings=[line.strip() for line in report.splitlines() if "warning" in line.lower()],
+        warnings=[line.strip() for line in report.splitlines()
+                  if "warning" in line.lower() or "Performance Loss" in line],  # fmt: skip
         cubin=path + ".cubin",
     )
 

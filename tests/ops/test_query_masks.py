@@ -451,6 +451,36 @@ def test_gluon_packed_tiles_within_twice_torch_error(name, with_masks, dtype, he
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU (H100, H200)")
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gluon_dq_kernel_on_packed_tiles_within_twice_torch_error(name, poisoned_allocations):
+    """The Gluon dQ kernel (grad_q="gluon") over tiles of packed heads with per-token query
+    masks: dq, dk, dv against float64 by FlashAttention's rule."""
+    from flash_msa.ops.gluon import backward
+
+    case = GLUON_CASES[name]
+    _, layout, query_masks, options, mask = problem(case, torch.float32)
+    q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, 128, heads_kv=case.heads_kv,
+                         dtype=torch.bfloat16, device="cuda", seed=case.seed)  # fmt: skip
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q)
+    out, lse = block_sparse_attn_func(q, k, v, layout, return_lse=True, backend="gluon",
+                                      query_masks=query_masks, **options)  # fmt: skip
+    words = registry.QueryMasks(query_masks, query_masks[layout.transpose_entries()])  # CSR, CSC
+    grads = backward.attention_backward(
+        grad_out, q, k, v, out, lse, layout, causal=True, window_size=(-1, -1),
+        softmax_scale=128**-0.5, document_ids=options.get("document_ids"), query_masks=words,
+        grad_q="gluon",
+    )  # fmt: skip
+    exact, _ = expected(q, k, v, mask, grad_out)
+    same_dtype, _ = expected(q, k, v, mask, grad_out, precision=torch.bfloat16)
+    for label, got, truth, rounded in zip(("dq", "dk", "dv"), grads, exact[2:], same_dtype[2:],
+                                          strict=True):  # fmt: skip
+        error = relative_error(got, truth)
+        torch_error = relative_error(rounded, truth)
+        assert error <= 2 * torch_error + 1e-6, f"{label}: {error:.3g} vs torch {torch_error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU (H100, H200)")
 def test_gluon_packed_gradients_are_bitwise_equal():
     """The gluon backward of packed tiles repeats its bits (dK and dV in registers per
     program, dQ written once per element), with deterministic=False too."""

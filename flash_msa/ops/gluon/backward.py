@@ -14,9 +14,11 @@ of the layout (layout.transpose()), for every query head of its GQA group: only 
   the program's life (queries on the MMAs' M keep lse and delta at two registers a thread);
 - a dQ writer warp, which works only when dQ is computed here.
 
-dQ comes one of three ways (attention_backward's grad_q):
+dQ comes one of four ways (attention_backward's grad_q):
 - "triton": dK and dV only (four matmuls); dQ comes from the Triton dQ kernel, which walks
   the CSR rows (three more matmuls) and writes every element once: deterministic;
+- "gluon": the same with dQ from the Gluon dQ kernel (dq.py), also over the CSR rows and
+  deterministic;
 - "atomic": five matmuls. The consumers exchange their dS halves through shared memory
   and each computes half of dQ's columns over all 128 keys, dS K[:, half], into a shared
   fp32 tile that the writer adds to an fp32 dQ buffer with a TMA reduce-add: not bitwise
@@ -51,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
+from flash_msa.ops.gluon import dq as gluon_dq
+from flash_msa.ops.gluon.dq import query_rows
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
     CONSUMER_REGISTERS,
@@ -157,22 +161,6 @@ def _load_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK: gl.
     else:
         tma.async_copy_global_to_shared(desc, [batch, query_first, head, 0], ready,
                                         half.reshape(desc.block_type.shape))  # fmt: skip
-
-
-@gluon.jit
-def _query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, other,
-                LSE: gl.constexpr, layout: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
-    """The ROWS rows' values [ROWS] in `layout` (`other` past S_q) of [B, H_q, S_q] values
-    from row_offset (the first head's row); row r is position query_first + r // PACK of
-    head r % PACK. LSE: the lse in log2 units, +inf for rows that see no key, so that their
-    P is 0 (as past S_q, other=inf)."""
-    slots = gl.arange(0, ROWS, layout=layout)
-    queries = query_first + slots // PACK
-    offsets = row_offset + (slots % PACK) * seq_len_q + queries
-    rows = gl.load(values + offsets, mask=queries < seq_len_q, other=other)
-    if LSE:
-        rows = gl.where(rows == float("-inf"), float("inf"), rows * LOG2_E)
-    return rows
 
 
 @builtin
@@ -306,9 +294,9 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
             dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
             dp = warpgroup_mma(do_tile, v_mine.permute((1, 0)), dp, use_acc=False,
                                is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
-            row_lse = _query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
+            row_lse = query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
                                   True, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
-            row_delta = _query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
+            row_delta = query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
                                     False, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
             if MASKS.scores:
                 visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS, PACK)
@@ -523,7 +511,7 @@ def row_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-GRAD_Q_MODES = ("triton", "ordered", "atomic")
+GRAD_Q_MODES = ("triton", "gluon", "ordered", "atomic")
 
 
 def entry_turns(layout: BlockLayout) -> torch.Tensor:
@@ -564,7 +552,8 @@ def attention_backward(
         query_masks: per-token selections (q_block <= 64): the dQ kernel reads the CSR
             words, the dK/dV kernel the CSC ones.
         grad_q: how dQ is computed: "triton", by the Triton dQ kernel over the rows (seven
-            matmuls per block pair, bitwise reproducible); "ordered", beside dK and dV in
+            matmuls per block pair, bitwise reproducible); "gluon", likewise by the Gluon
+            dQ kernel (dq.grad_q); "ordered", beside dK and dV in
             the Gluon kernel (five matmuls), added to an fp32 dQ in each query half's kv
             order (bitwise reproducible); "atomic", the same added in any order. Query
             blocks below 128 take "triton" only.
@@ -576,7 +565,7 @@ def attention_backward(
     """
     if grad_q not in GRAD_Q_MODES:
         raise ValueError(f"grad_q must be one of {GRAD_Q_MODES}, got {grad_q!r}")
-    fused = grad_q != "triton"
+    fused = grad_q in ("ordered", "atomic")
     pack = BLOCK_M // layout.q_block
     if fused and pack > 1:
         raise ValueError(
@@ -601,10 +590,15 @@ def attention_backward(
         if grad_q == "ordered":
             counters = torch.zeros(batch, heads_q, halves, dtype=torch.int32, device=q.device)
             turns = entry_turns(layout)
+    elif grad_q == "gluon":
+        delta = row_delta(out, grad_out)
+        dq = gluon_dq.grad_q(grad_out, q, k, v, lse, delta, layout, **options,
+                             query_masks=query_masks)  # fmt: skip
     else:
         dq, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options,
                                      query_masks=query_masks)  # fmt: skip
-        accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)  # never read
+    if not fused:  # the kernel's dQ view stands in, never read
+        accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     masks, window_left, window_right = kernel_masks(

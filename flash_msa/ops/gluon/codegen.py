@@ -51,13 +51,14 @@ def partition_spill_stores(sass: str) -> int:
 
 
 def overlapped_exponentials(sass: str) -> int:
-    """The most MUFU.EX2 that sit between a wgmma wait leaving one group in flight
-    (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next full wait (..., 0x0): the exponentials
-    that run while the P V matmul does (0 if ptxas hoisted the full wait above them)."""
+    """The most MUFU.EX2 that sit between a wgmma wait leaving groups in flight
+    (WARPGROUP.DEPBAR.LE gsb0, 0x1 or more) and the next full wait (..., 0x0): the
+    exponentials that run while the matmuls still in flight do (the forward's P V; the dQ
+    kernel's dS K and dP), 0 if ptxas hoisted the full wait above them."""
     best, count = 0, None
     for line in sass.splitlines():
         if "WARPGROUP.DEPBAR.LE" in line:
-            if line.rstrip(" ;").endswith("0x1") or "gsb0, 0x1" in line:
+            if not re.search(r"gsb0, 0x0\b", line):
                 count = 0
             elif count is not None:
                 best, count = max(best, count), None
@@ -160,6 +161,32 @@ def compile_backward(
     name = (f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{packed}"
             f"{_mask_flags(masks)}")  # fmt: skip
     return compile_kernel(backward._backward_kernel, types, constexprs, workdir, name)
+
+
+def compile_grad_q(
+    workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
+    masks=None, pack: int = 1,
+) -> dict:  # fmt: skip
+    """Compile dq.dq_kernel for sm_90a (masks and pack as in compile_forward) and report as
+    compile_forward does."""
+    from flash_msa.ops.gluon import dq, forward
+
+    masks = forward.Masks() if masks is None else masks
+    half = (forward.HALF_M, head_dim) if pack == 1 else (1, forward.HALF_M // pack, pack, head_dim)
+    types = dict(
+        q_desc=descriptor_type(dtype, *half), do_desc=descriptor_type(dtype, *half),
+        dq_desc=descriptor_type(dtype, *half),
+        k_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        v_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
+        lse="*fp32", delta="*fp32", row_order="*i32", row_offsets="*i32", col_indices="*i32",
+        query_masks="*i64", qk_scale="fp32", softmax_scale="fp32", grad_q=f"*{dtype}",
+        document_first="*i32", document_last="*i32",
+    )  # fmt: skip
+    constexprs = dict(NUM_STAGES=num_stages, **masks.constexprs(), HAS_QUERY_MASKS=masks.query,
+                      PACK=pack)  # fmt: skip
+    packed = f"_pack{pack}" if pack > 1 else ""
+    name = f"grad_q_d{head_dim}_{dtype}_s{num_stages}{packed}{_mask_flags(masks)}"
+    return compile_kernel(dq.dq_kernel, types, constexprs, workdir, name)
 
 
 def _mask_flags(masks) -> str:

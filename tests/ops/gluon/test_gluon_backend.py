@@ -1,6 +1,7 @@
 """The "gluon" backend through block_sparse_attn_func on an H100 / H200: its forward (Gluon,
 masked where blocks are partial) and backward (Gluon dK/dV with the Triton dQ kernel; and the
-Gluon backward's other dQ modes, added by TMA reduce-adds in kv order or in any order)
+Gluon backward's other dQ modes: the Gluon dQ kernel, and dQ added by TMA reduce-adds in kv
+order or in any order)
 against float64 by FlashAttention's rule, packed documents through the varlen call, bitwise
 reproducible gradients, and "auto" choosing it for everything but dropout."""
 
@@ -80,7 +81,7 @@ def references(q, k, v, mask, grad_out, dtype) -> dict:
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("grad_q", ["op", "ordered", "atomic"])
+@pytest.mark.parametrize("grad_q", ["op", "gluon", "ordered", "atomic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_allocations):
@@ -113,11 +114,11 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_al
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("grad_q", ["op", "ordered"])
+@pytest.mark.parametrize("grad_q", ["op", "gluon", "ordered"])
 def test_deterministic_gradients_are_bitwise_equal(grad_q):
     """Two backward passes of a causal GQA call give the same bits: the op's default mode,
-    and dQ added in kv order (every query block of the causal layout gets adds from up to
-    32 kv blocks, racing across the GPU)."""
+    the Gluon dQ kernel's, and dQ added in kv order (every query block of the causal layout
+    gets adds from up to 32 kv blocks, racing across the GPU)."""
     layout = patterns.causal(4096, device="cuda")
     q, k, v = random_qkv(2, 4096, 8, 128, heads_kv=2, dtype=torch.bfloat16, device="cuda",
                          seed=7, requires_grad=True)  # fmt: skip

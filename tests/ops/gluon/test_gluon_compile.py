@@ -167,6 +167,40 @@ def test_backward_compiles_for_hopper(tmp_path):
         assert report["shared"] <= HOPPER_SHARED_MEMORY, f"{name}: {report['shared']} bytes"
 
 
+# The Gluon dQ kernel: [[head_dim, dtype, num_stages, {mask: True, ...}, pack], ...].
+GRAD_Q_SCRIPT = """
+import json, sys
+from flash_msa.ops.gluon import codegen, forward
+for head_dim, dtype, num_stages, masks, pack in json.loads(sys.argv[2]):
+    report = codegen.compile_grad_q(sys.argv[1], head_dim=head_dim, dtype=dtype,
+                                    num_stages=num_stages, masks=forward.Masks(**masks),
+                                    pack=pack)
+    print(json.dumps(dict(report, head_dim=head_dim, masks=masks, pack=pack)))
+"""
+
+
+def test_grad_q_kernel_compiles_for_hopper(tmp_path):
+    """The Gluon dQ kernel, unmasked, with every mask, and over packed heads with per-token
+    query masks: wgmma not serialised (ptxas notes none), within the consumers' registers
+    and Hopper's shared memory, without spills where no mask needs registers, and every
+    exponential of a block between the wait for S and the wait for dS K and dP."""
+    variants = [[128, "bf16", 2, {}, 1], [128, "fp16", 2, ALL_MASKS, 1],
+                [128, "bf16", 2, PER_TOKEN, 16],
+                [64, "bf16", 2, {**ALL_MASKS, "query": True}, 2]]  # fmt: skip
+    reports = compile_variants(tmp_path, variants, GRAD_Q_SCRIPT)
+    assert len(reports) == len(variants)
+    for report in reports:
+        name = f"D={report['head_dim']} pack={report['pack']} {'+'.join(report['masks'])}"
+        assert report["wgmma"], f"{name}: no warpgroup MMA"
+        assert not report["warnings"], f"{name}: {report['warnings']}"
+        assert report["max_register"] <= CONSUMER_REGISTERS, name
+        assert report["shared"] <= HOPPER_SHARED_MEMORY, f"{name}: {report['shared']} bytes"
+        if not report["masks"]:
+            assert report["spills"] == 0, f"{name}: {report['spills']} bytes of spills"
+        # 64 query rows x 128 keys over 128 threads: 64 exponentials a thread a block.
+        assert report["overlapped_exps"] >= 64, f"{name}: {report['overlapped_exps']}"
+
+
 def test_unmasked_variant_keeps_its_instructions(reports):
     """Without masks the kernel compiles to the pinned instructions (the measured fast
     path), up to shared-memory offsets."""
