@@ -9,6 +9,8 @@ forward's out and lse, it times (triton.testing.do_bench, median) the backward o
   reuses; a backward's time less this one is its dK/dV part;
 - gluon: Gluon dK/dV and the Triton dQ kernel (grad_q="triton", the gluon backend's
   deterministic mode; 3 stages measured the same as 2 at eb74836);
+- gluon, Gluon dQ: Gluon dK/dV and the Gluon dQ kernel over the rows (grad_q="gluon",
+  deterministic too);
 - gluon ordered dQ / atomic dQ: one Gluon kernel, dQ beside dK and dV, added with TMA
   reduce-adds in each query half's kv order / in any order (grad_q="ordered" / "atomic";
   the "atomic" mode is the backend's deterministic=False).
@@ -45,6 +47,7 @@ DEFAULT_CASES = "causal-32k,window-128k,topk16-128k"
 # label -> gluon_backward.attention_backward options
 GLUON_VARIANTS = {
     "gluon": dict(grad_q="triton"),
+    "gluon, Gluon dQ": dict(grad_q="gluon"),
     "gluon, ordered dQ": dict(grad_q="ordered"),
     "gluon, atomic dQ": dict(grad_q="atomic"),
 }

@@ -10,7 +10,10 @@ block_sparse_attn_func runs over that selection with backend "triton" and "gluon
 backward takes dK and dV from its Gluon kernel, dQ from the Triton dQ kernel). TFLOP/s over
 the (query, key <= query) pairs the selection holds (forward 4 D flops a pair and head,
 forward + backward 3.5x that); each gluon record carries its output's and lse's relative
-difference from triton's. Writes DIR/msa_main.json and msa_main.md (DIR defaults to
+difference from triton's, and the gluon backward alone given that forward's out and lse
+(backward.attention_backward) with dQ from the Triton dQ kernel and from the Gluon one
+(grad_q "triton" / "gluon"), with the largest relative difference of the second's dq, dk,
+dv from the first's. Writes DIR/msa_main.json and msa_main.md (DIR defaults to
 benchmarks/results/<gpu>/), keeping the records of the cases this run leaves out.
 """
 
@@ -35,8 +38,36 @@ from common import (
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.msa.interface import select
+from flash_msa.ops.gluon import backward as gluon_backward
+from flash_msa.ops.registry import QueryMasks
 
 BACKENDS = ("triton", "gluon")
+DQ_MODES = ("triton", "gluon")  # the gluon backward's deterministic grad_q modes
+
+
+def dq_modes(q, k, v, dout, out, lse, layout, query_masks) -> dict:
+    """The gluon backward alone, given the forward's out and lse, per dQ mode: its ms and
+    the Gluon dQ mode's largest relative difference (dq, dk, dv) from the Triton one's."""
+    words = None
+    if query_masks is not None:
+        words = QueryMasks(query_masks, query_masks[layout.transpose_entries()])
+    options = dict(causal=True, window_size=(-1, -1), softmax_scale=HEAD_DIM**-0.5,
+                   query_masks=words)  # fmt: skip
+
+    def run(mode):
+        return gluon_backward.attention_backward(dout, q, k, v, out, lse, layout, **options,
+                                                 grad_q=mode)  # fmt: skip
+
+    with torch.no_grad():
+        first = run("triton")
+        difference = max(relative_difference(a, b) for a, b in zip(run("gluon"), first,
+                                                                        strict=True))  # fmt: skip
+        del first
+        free_memory()
+        times = {mode: timed(lambda mode=mode: run(mode))["ms"] for mode in DQ_MODES}
+    return dict(backward_ms=round(times["triton"], 4),
+                backward_gluon_dq_ms=round(times["gluon"], 4),
+                gluon_dq_difference=difference)  # fmt: skip
 
 
 def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int) -> list[dict]:
@@ -74,9 +105,15 @@ def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int) -> l
                                                            outputs["triton"][0])  # fmt: skip
             record["lse_difference"] = relative_difference(outputs[backend][1],
                                                            outputs["triton"][1])  # fmt: skip
+            record.update(dq_modes(q, k, v, dout, *outputs[backend], layout, query_masks))
+        backward = ""
+        if "backward_ms" in record:
+            backward = (f"; backward {record['backward_ms']:.3f} ms, with the Gluon dQ "
+                        f"{record['backward_gluon_dq_ms']:.3f} ms")  # fmt: skip
         print(f"S={seq_len:>8,} {granularity:5s} q{q_block:<3d} {backend:6s} forward "
               f"{forward_ms:8.3f} ms ({record['forward_tflops']} TF/s), fwd+bwd "
-              f"{both['ms']:8.3f} ms ({record['fwd_bwd_tflops']} TF/s)", flush=True)  # fmt: skip
+              f"{both['ms']:8.3f} ms ({record['fwd_bwd_tflops']} TF/s){backward}",
+              flush=True)  # fmt: skip
         records.append(record)
         free_memory()
     return records
@@ -87,7 +124,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
               if r["backend"] == "triton"}  # fmt: skip
     columns = ["S", "granularity", "q_block", "backend", "forward ms (TF/s)",
                "fwd+bwd ms (TF/s)", "forward speed-up vs triton", "fwd+bwd speed-up vs triton",
-               "out / lse difference vs triton"]  # fmt: skip
+               "out / lse difference vs triton", "backward ms: Triton dQ / Gluon dQ",
+               "Gluon dQ's gradient difference"]  # fmt: skip
     rows = []
     for record in records:
         base = triton.get((record["seq_len"], record["granularity"], record["q_block"]))
@@ -97,10 +135,15 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         difference = "-"
         if "out_difference" in record:
             difference = f"{record['out_difference']:.1e} / {record['lse_difference']:.1e}"
+        modes = ["-", "-"]
+        if "backward_ms" in record:
+            modes = [f"{record['backward_ms']:.3f} / {record['backward_gluon_dq_ms']:.3f}",
+                     f"{record['gluon_dq_difference']:.1e}"]  # fmt: skip
         rows.append((record, [
             f"{record['seq_len']:,}", record["granularity"], record["q_block"], record["backend"],
             f"{record['forward_ms']:.3f} ({record['forward_tflops']})",
             f"{record['fwd_bwd_ms']:.3f} ({record['fwd_bwd_tflops']})", *ratios, difference,
+            *modes,
         ]))  # fmt: skip
     write_report(
         out_dir, "msa_main", records, meta=meta,
@@ -108,7 +151,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         notes="bf16, B=1, H_q=64, H_kv=4, D=128; 4 proxy heads, top_k 16, kv_block 128, causal; "
         "local proxies. Granularity token: q_block tokens x 16 heads a tile over the union of "
         "the tokens' blocks, a bit per token; block: one choice per 64-query block (64 x 2 "
-        "heads a gluon tile). The gluon backward takes dQ from the Triton dQ kernel. Medians "
+        "heads a gluon tile). The gluon backward takes dQ from the Triton dQ kernel; its last "
+        "columns time it alone per dQ mode (grad_q triton / gluon). Medians "
         "of do_bench; TFLOP/s over the selected (query, key <= query) pairs.",
         body=markdown_table(columns, rows),
     )  # fmt: skip
