@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.gluon import dq as gluon_dq
-from flash_msa.ops.gluon.dq import query_rows
+from flash_msa.ops.gluon.dq import copy_half, query_rows
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
     CONSUMER_REGISTERS,
@@ -150,17 +150,9 @@ def _producer(loads, PACK: gl.constexpr):
 
 @gluon.jit
 def _load_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK: gl.constexpr):
-    """A TMA load of the query half [ROWS, D] from position query_first, head `head`, into
-    the shared tile `half`, completing `ready`: PACK 1, a block of the 2-D view; PACK > 1,
-    the 4-D view's box [1, ROWS / PACK positions, PACK heads, D] (zeros from S_q on)."""
-    HEAD_DIM: gl.constexpr = half.type.shape[1]
+    """A TMA load of the query half [ROWS, D] (see dq.copy_half) completing `ready`."""
     mbarrier.expect(ready, desc.block_type.nbytes)
-    if PACK == 1:
-        tma.async_copy_global_to_shared(desc, [batch * seq_len_q + query_first, head * HEAD_DIM],
-                                        ready, half)  # fmt: skip
-    else:
-        tma.async_copy_global_to_shared(desc, [batch, query_first, head, 0], ready,
-                                        half.reshape(desc.block_type.shape))  # fmt: skip
+    copy_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK)
 
 
 @builtin

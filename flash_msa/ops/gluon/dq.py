@@ -57,6 +57,7 @@ from flash_msa.ops.gluon.forward import (
     document_bounds,
     half_layout,
     kernel_masks,
+    load_blocks,
     mma_layout,
 )
 from flash_msa.ops.registry import QueryMasks
@@ -115,8 +116,6 @@ def _producer(loads, PACK: gl.constexpr):
      k_empty, v_ready, v_empty, col_indices, tiles, seq_len_q) = loads  # fmt: skip
     HALF: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     start, end, _, q_col, kv_row, kv_col, _, query_first, batch = _tile(
         gl.program_id(0), tiles, 2 * HALF, HEAD_DIM, PACK
     )
@@ -128,24 +127,8 @@ def _producer(loads, PACK: gl.constexpr):
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             copy_half(q_desc, q_smem.index(half), bar, batch, seq_len_q, first, head, PACK)
             copy_half(do_desc, do_smem.index(half), bar, batch, seq_len_q, first, head, PACK)
-        block = gl.load(col_indices + start)
-        for j in range(start, end):
-            count = j - start
-            stage = count % NUM_STAGES
-            phase = (count // NUM_STAGES) & 1
-            row = kv_row + block * KV_ROWS
-            # The next index loads while this step waits for its slots.
-            block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
-            mbarrier.wait(k_empty.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
-            )
-            mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
-            )
+        ring = (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
+        load_blocks(ring, col_indices, start, end, kv_row, kv_col, gl.to_tensor(0))
 
 
 @gluon.jit

@@ -189,8 +189,6 @@ def _load_tile(tile, count, loaded, loads, PACK: gl.constexpr):
      v_ready, v_empty, col_indices, tiles) = loads  # fmt: skip
     HALF: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     start, end, q_row, q_col, kv_row, kv_col, _, query_first, batch = _tile(
         tile, tiles, 2 * HALF, HEAD_DIM, PACK
     )
@@ -211,25 +209,40 @@ def _load_tile(tile, count, loaded, loads, PACK: gl.constexpr):
                     q_smem.index(half).reshape(q_desc.block_type.shape),
                 )  # fmt: skip
         loaded += 1
-        block = gl.load(col_indices + start)
-        for j in range(start, end):
-            stage = count % NUM_STAGES
-            phase = (count // NUM_STAGES) & 1
-            row = kv_row + block * KV_ROWS
-            # The next index loads while this step waits for its slots.
-            block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
-            mbarrier.wait(k_empty.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
-            )
-            mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
-            )
-            count += 1
+        ring = (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
+        count = load_blocks(ring, col_indices, start, end, kv_row, kv_col, count)
     return count, loaded
+
+
+@gluon.jit
+def load_blocks(ring, col_indices, start, end, kv_row, kv_col, count):
+    """A producer's TMA loads of the K and V tiles of a row's active blocks start .. end - 1
+    (col_indices: their kv block indices; kv_row, kv_col: the batch element's first row and
+    the kv head's column in the 2-D views) into the ring from its position count on, a slot
+    refilled once both consumers released it; returns the position after them. ring =
+    (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)."""
+    k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
+    KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    block = gl.load(col_indices + start)
+    for j in range(start, end):
+        stage = count % NUM_STAGES
+        phase = (count // NUM_STAGES) & 1
+        row = kv_row + block * KV_ROWS
+        # The next index loads while this step waits for its slots.
+        block = gl.load(col_indices + j + 1, mask=j + 1 < end, other=0)
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
+        )
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
+        )
+        count += 1
+    return count
 
 
 @gluon.jit
