@@ -9,8 +9,8 @@ row; the tiles launch heaviest first. Three partitions share the program:
   per slot);
 - two consumer warpgroups, one per query half, run per block S = Q K^T and dP = dO V^T as
   async warpgroup MMAs, P = exp2(S * scale - lse), dS = P (dP - delta), and dQ += dS K
-  with dS from registers, dQ [64, D] in fp32 registers for the tile's life; dS K of a
-  block runs while the next block's S and dP are issued.
+  with dS from shared memory, dQ [64, D] in fp32 registers for the tile's life; a block's
+  dS K runs beside the next block's exponentials (issued between its S and its dP).
 
 Every element of dQ is written once, by its tile: bitwise reproducible. Masks as in the
 forward (forward.Masks: key bounds per row, per-token query masks).
