@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flash_msa import _env
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.gluon import dq as gluon_dq
-from flash_msa.ops.gluon.dq import copy_half, query_rows
+from flash_msa.ops.gluon.dq import query_rows
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
     CONSUMER_REGISTERS,
@@ -75,6 +75,7 @@ from flash_msa.ops.gluon.forward import (
     _store_rows,
     _store_tile,
     _visible_keys,
+    copy_half,
     document_bounds,
     half_layout,
     kernel_masks,
@@ -150,9 +151,16 @@ def _producer(loads, PACK: gl.constexpr):
 
 @gluon.jit
 def _load_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK: gl.constexpr):
-    """A TMA load of the query half [ROWS, D] (see dq.copy_half) completing `ready`."""
+    """A TMA load of the query half [ROWS, D] from position query_first of the PACK heads
+    from `head` (see forward.copy_half), completing `ready`."""
+    HEAD_DIM: gl.constexpr = half.type.shape[1]
     mbarrier.expect(ready, desc.block_type.nbytes)
-    copy_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK)
+    if PACK == 1:
+        column = head * HEAD_DIM
+    else:
+        column = head
+    copy_half(desc, half, ready, batch * seq_len_q + query_first, column, batch, query_first,
+              PACK)  # fmt: skip
 
 
 @builtin

@@ -50,15 +50,15 @@ from flash_msa.ops.gluon.forward import (
     _packed_descriptor,
     _partial,
     _query_word,
-    _store_rows,
-    _store_tile,
     _tile,
     _visible_keys,
+    copy_half,
     document_bounds,
     half_layout,
     kernel_masks,
     load_blocks,
     mma_layout,
+    store_half,
 )
 from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton.common import layout_arguments
@@ -83,50 +83,25 @@ def query_rows(values, row_offset, query_first, seq_len_q, ROWS: gl.constexpr, o
 
 
 @gluon.jit
-def copy_half(desc, half, bar, batch, seq_len_q, query_first, head, PACK: gl.constexpr):
-    """A TMA load of the query half [ROWS, D] (ROWS / PACK positions from query_first, PACK
-    heads from `head`) into the shared tile `half`, counted on the mbarrier `bar`: PACK 1, a
-    block of the 2-D view; PACK > 1, the 4-D view's box [1, ROWS / PACK, PACK, D] (zeros
-    from S_q on)."""
-    HEAD_DIM: gl.constexpr = half.type.shape[1]
-    if PACK == 1:
-        tma.async_copy_global_to_shared(desc, [batch * seq_len_q + query_first, head * HEAD_DIM],
-                                        bar, half)  # fmt: skip
-    else:
-        tma.async_copy_global_to_shared(desc, [batch, query_first, head, 0], bar,
-                                        half.reshape(desc.block_type.shape))  # fmt: skip
-
-
-@gluon.jit
-def _first_head(q_col, HEAD_DIM: gl.constexpr, PACK: gl.constexpr):
-    """The tile's first query head from _tile's q_col."""
-    if PACK == 1:
-        head = q_col // HEAD_DIM
-    else:
-        head = q_col
-    return head
-
-
-@gluon.jit
 def _producer(loads, PACK: gl.constexpr):
     """One warp: both halves of Q and dO of the program's tile (one barrier a half), then K
     and V of each active block of its row into the ring (a slot is refilled once both
     consumers released it)."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready,
-     k_empty, v_ready, v_empty, col_indices, tiles, seq_len_q) = loads  # fmt: skip
+     k_empty, v_ready, v_empty, col_indices, tiles) = loads  # fmt: skip
     HALF: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    start, end, _, q_col, kv_row, kv_col, _, query_first, batch = _tile(
+    start, end, q_row, q_col, kv_row, kv_col, _, query_first, batch = _tile(
         gl.program_id(0), tiles, 2 * HALF, HEAD_DIM, PACK
     )
-    head = _first_head(q_col, HEAD_DIM, PACK)
     if end > start:
         for half in gl.static_range(2):
             bar = q_ready.index(half)
+            row = q_row + half * HALF
             first = query_first + half * (HALF // PACK)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            copy_half(q_desc, q_smem.index(half), bar, batch, seq_len_q, first, head, PACK)
-            copy_half(do_desc, do_smem.index(half), bar, batch, seq_len_q, first, head, PACK)
+            copy_half(q_desc, q_smem.index(half), bar, row, q_col, batch, first, PACK)
+            copy_half(do_desc, do_smem.index(half), bar, row, q_col, batch, first, PACK)
         ring = (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         load_blocks(ring, col_indices, start, end, kv_row, kv_col, gl.to_tensor(0))
 
@@ -210,13 +185,12 @@ def _consumer(shared, HALF: gl.constexpr, MASKS: gl.constexpr, PACK: gl.constexp
     q = q_smem.index(HALF)  # [HALF_M, D]
     do = do_smem.index(HALF)  # [HALF_M, D]
     seq_len_kv, window_left, window_right, document_first, document_last = bounds
-    out, seq_len_q, heads_q, row_stride = tail
-    start, end, q_row, q_col, _, _, _, query_first, batch = _tile(
+    out, seq_len_q, row_stride = tail
+    start, end, q_row, q_col, _, _, lse_offset, query_first, batch = _tile(
         gl.program_id(0), tiles, 2 * ROWS, HEAD_DIM, PACK
     )
+    row_offset = lse_offset - query_first  # the first head's row of [B, H_q, S_q]
     query_first = query_first + HALF * TOKENS
-    head = _first_head(q_col, HEAD_DIM, PACK)
-    row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
     row_lse = query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"), True,
                          rows, PACK)  # fmt: skip  # [HALF_M]
     row_delta = query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0, False, rows,
@@ -247,20 +221,8 @@ def _consumer(shared, HALF: gl.constexpr, MASKS: gl.constexpr, PACK: gl.constexp
         mbarrier.arrive(k_empty.index(last))
     # The half's Q tile is no longer read: it holds dQ on its way out.
     q.store((dq * softmax_scale).to(dtype))
-    if PACK > 1:
-        # The 4-D view's box [1, TOKENS, PACK, D]; TMA drops the positions from S_q on.
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dq_desc, [batch, query_first, q_col, 0],
-                                        q.reshape(dq_desc.block_type.shape))  # fmt: skip
-    elif MASKS.q_tail:
-        # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows.
-        if query_first + ROWS > seq_len_q:
-            _store_rows(out, q, q_row + HALF * ROWS, seq_len_q - query_first, q_col,
-                        row_stride)  # fmt: skip
-        else:
-            _store_tile(dq_desc, q, q_row + HALF * ROWS, q_col)
-    else:
-        _store_tile(dq_desc, q, q_row + HALF * ROWS, q_col)
+    store_half(dq_desc, q, out, q_row + HALF * ROWS, q_col, batch, query_first, seq_len_q,
+               row_stride, MASKS, PACK)  # fmt: skip
     tma.store_wait(0)
 
 
@@ -313,12 +275,12 @@ def dq_kernel(
     tiles = (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor,
              heads_q, group, seq_len_q, seq_len_kv, num_q_blocks)  # fmt: skip
     bounds = (seq_len_kv, window_left, window_right, document_first, document_last)
-    tail = (grad_q, seq_len_q, heads_q, heads_q * HEAD_DIM)
+    tail = (grad_q, seq_len_q, heads_q * HEAD_DIM)
     shared = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_desc, q_ready, k_ready, k_empty, v_ready,
               v_empty, lse, delta, col_indices, query_masks, tiles, qk_scale, softmax_scale,
               bounds, tail)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready,
-             k_ready, k_empty, v_ready, v_empty, col_indices, tiles, seq_len_q)  # fmt: skip
+             k_ready, k_empty, v_ready, v_empty, col_indices, tiles)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (shared, UPPER, MASKS, PACK)), (_consumer, (shared, LOWER, MASKS, PACK)),
          (_producer, (loads, PACK))],

@@ -199,19 +199,48 @@ def _load_tile(tile, count, loaded, loads, PACK: gl.constexpr):
             mbarrier.wait(q_empty.index(half), (loaded & 1) ^ 1)
             bar = q_ready.index(half)
             mbarrier.expect(bar, q_desc.block_type.nbytes)
-            if PACK == 1:
-                tma.async_copy_global_to_shared(
-                    q_desc, [q_row + half * HALF, q_col], bar, q_smem.index(half)
-                )
-            else:  # the 4-D view's box [1, HALF / PACK tokens, PACK heads, D]
-                tma.async_copy_global_to_shared(
-                    q_desc, [batch, query_first + half * (HALF // PACK), q_col, 0], bar,
-                    q_smem.index(half).reshape(q_desc.block_type.shape),
-                )  # fmt: skip
+            copy_half(q_desc, q_smem.index(half), bar, q_row + half * HALF, q_col, batch,
+                      query_first + half * (HALF // PACK), PACK)  # fmt: skip
         loaded += 1
         ring = (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         count = load_blocks(ring, col_indices, start, end, kv_row, kv_col, count)
     return count, loaded
+
+
+@gluon.jit
+def copy_half(desc, half, bar, row, column, batch, query_first, PACK: gl.constexpr):
+    """A TMA load of a query-side half [64, D] into the shared tile `half`, counted on the
+    mbarrier `bar`: PACK 1, the 2-D view's block at [row, column]; PACK > 1, the 4-D view's
+    box [1, 64 / PACK positions, PACK heads, D] at [batch, query_first, column, 0] (column:
+    the first head; zeros from S on)."""
+    if PACK == 1:
+        tma.async_copy_global_to_shared(desc, [row, column], bar, half)
+    else:
+        tma.async_copy_global_to_shared(desc, [batch, query_first, column, 0], bar,
+                                        half.reshape(desc.block_type.shape))  # fmt: skip
+
+
+@gluon.jit
+def store_half(desc, tile, out, row, column, batch, query_first, seq_len_q, row_stride,
+               MASKS: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
+    """The shared tile [64, D] (a query half written by this warpgroup) to its rows, with
+    copy_half's coordinates: PACK > 1 the 4-D view's box (TMA drops the positions from S_q
+    on); PACK 1 a TMA store, or with MASKS.q_tail for a half that ends past S_q masked plain
+    stores into out (row_stride elements a row): past S_q the [B * S_q, H * D] view holds
+    the next batch element's first rows, which a TMA store of the whole half would
+    overwrite."""
+    ROWS: gl.constexpr = tile.type.shape[0]
+    if PACK > 1:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [batch, query_first, column, 0],
+                                        tile.reshape(desc.block_type.shape))  # fmt: skip
+    elif MASKS.q_tail:
+        if query_first + ROWS > seq_len_q:
+            _store_rows(out, tile, row, seq_len_q - query_first, column, row_stride)
+        else:
+            _store_tile(desc, tile, row, column)
+    else:
+        _store_tile(desc, tile, row, column)
 
 
 @gluon.jit
@@ -610,21 +639,8 @@ def _attend_tile(tile, count, loaded, shared, HALF: gl.constexpr, PINGPONG: gl.c
     gl.store(lse_rows, log_sum, mask=row_valid)
     tma.store_wait(0)  # the previous tile's output has left o
     o.store(acc.to(dtype))
-    if PACK > 1:
-        # The 4-D view's box [1, TOKENS, PACK, D]; TMA drops the positions from S_q on.
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, query_first, q_col, 0],
-                                        o.reshape(o_desc.block_type.shape))  # fmt: skip
-    elif MASKS.q_tail:
-        # Past S_q, the [B * S_q, H * D] view holds the next batch element's first rows,
-        # which a TMA store of the whole half would overwrite.
-        if query_first + ROWS > seq_len_q:
-            _store_rows(out, o, q_row + HALF * ROWS, seq_len_q - query_first, q_col,
-                        row_stride)  # fmt: skip
-        else:
-            _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
-    else:
-        _store_tile(o_desc, o, q_row + HALF * ROWS, q_col)
+    store_half(o_desc, o, out, q_row + HALF * ROWS, q_col, batch, query_first, seq_len_q,
+               row_stride, MASKS, PACK)  # fmt: skip
     return count, loaded
 
 
