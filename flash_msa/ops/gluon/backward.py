@@ -80,6 +80,7 @@ from flash_msa.ops.gluon.forward import (
     half_layout,
     kernel_masks,
     mma_layout,
+    slot_barriers,
 )
 from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton.backward import grad_q_and_delta
@@ -447,17 +448,10 @@ def _backward_kernel(
     else:
         dq_smem = ds_ready  # never read
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(do_empty.index(i), count=2)
+    q_ready, q_empty = slot_barriers(NUM_STAGES, 2)  # one arrival per consumer warpgroup
+    do_ready, do_empty = slot_barriers(NUM_STAGES, 2)
     fence_async_shared()
 
     documents = batch * seq_len_kv

@@ -58,6 +58,7 @@ from flash_msa.ops.gluon.forward import (
     kernel_masks,
     load_blocks,
     mma_layout,
+    slot_barriers,
     store_half,
 )
 from flash_msa.ops.registry import QueryMasks
@@ -259,17 +260,10 @@ def dq_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, KV_ROWS], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, KV_ROWS], ds_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+    k_ready, k_empty = slot_barriers(NUM_STAGES, 2)  # one arrival per consumer warpgroup
+    v_ready, v_empty = slot_barriers(NUM_STAGES, 2)
     fence_async_shared()
 
     tiles = (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor,

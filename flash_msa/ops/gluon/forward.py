@@ -680,6 +680,20 @@ def half_layout(head_dim, dtype):
 
 
 @gluon.jit
+def slot_barriers(SLOTS: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+    """The mbarriers of a ring of SLOTS shared-memory slots, initialised: "ready" [SLOTS, 1]
+    (one arrival, the producer's, with the TMA bytes it expects) and "empty" [SLOTS, 1]
+    (EMPTY_ARRIVALS: one per consumer that releases the slot). The forward kernel allocates
+    and initialises its own in the order its pinned instructions were measured with."""
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=EMPTY_ARRIVALS)
+    return ready, empty
+
+
+@gluon.jit
 def _forward_kernel(
     q_desc, k_desc, v_desc, o_desc, lse, row_order, next_tile, row_offsets, col_indices,
     query_masks, seq_len_q, seq_len_kv, heads_q, batch, group, stride_layout,
