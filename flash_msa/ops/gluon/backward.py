@@ -26,10 +26,14 @@ dQ comes one of four ways (attention_backward's grad_q):
 - "ordered": the same, with the writer adding into each query half in a fixed order of kv
   blocks (counters in global memory; see _dq_writer): bitwise reproducible.
 
-Element masks are the forward's (forward.Masks: key bounds per query row). Rows past S_q
-read lse +inf (P = 0); keys past S_kv are masked, and their dK / dV rows are not stored.
+Element masks are the forward's (forward.Masks: key bounds per query row, per-token query
+masks from the words in the transposed layout's order). Rows past S_q read lse +inf (P =
+0); keys past S_kv are masked, and their dK / dV rows are not stored.
 
-q_block = kv_block = 128, D in {64, 128}, fp16 or bf16.
+kv_block 128, q_block one of forward.QUERY_BLOCKS: below 128 a query block's 128 rows are
+128 / q_block positions x 128 / q_block query heads of the group (as the forward's tiles),
+walked PACK heads at a time, and dQ takes "triton" or "gluon"; D in {64, 128}, fp16 or
+bf16.
 """
 
 from __future__ import annotations

@@ -34,7 +34,10 @@ the tensor's end: zeros), keys from S_kv on are masked, and a query half that en
 S_q stores its rows with plain masked stores (a TMA store would overwrite the next batch
 element's first rows).
 
-q_block = kv_block = 128, D in {64, 128}, fp16 or bf16.
+kv_block 128, q_block one of QUERY_BLOCKS: below 128 a tile's 128 rows are 128 / q_block
+positions x 128 / q_block query heads of one GQA group (row r: position r // PACK, head
+r % PACK), loaded and stored through 4-D TMA boxes, optionally with per-token query masks
+(a word of position bits per CSR entry); D in {64, 128}, fp16 or bf16.
 """
 
 from __future__ import annotations
