@@ -5,7 +5,7 @@
 set -uo pipefail
 log=$1
 shift
-paths=("${@:-tests/ops tests/msa}")
+[ $# -gt 0 ] || set -- tests/ops tests/msa
 commit=${FLASH_MSA_COMMIT:-}
 if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
   commit=$(git rev-parse --short HEAD)  # this repository's, not that of a folder above it
@@ -17,9 +17,7 @@ digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | c
 {
   python3 -c "import datetime, torch, triton; print(f'# GPU test run: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}')"
   echo "# commit $commit; flash_msa/**/*.py sha256 $digest"
-  echo "# python3 -m pytest -q -n 8 ${paths[*]}, then the large_memory tests alone"
+  echo "# python3 -m pytest -q -n 8 $*, then the large_memory tests alone"
 } >"$log"
-# shellcheck disable=SC2068
-python3 -m pytest -q -n 8 -rfE -m "not large_memory" ${paths[@]} 2>&1 | tee -a "$log"
-# shellcheck disable=SC2068
-python3 -m pytest -q -n 0 -rfE -m large_memory ${paths[@]} 2>&1 | tee -a "$log"
+python3 -m pytest -q -n 8 -rfE -m "not large_memory" "$@" 2>&1 | tee -a "$log"
+python3 -m pytest -q -n 0 -rfE -m large_memory "$@" 2>&1 | tee -a "$log"
