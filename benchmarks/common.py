@@ -127,13 +127,15 @@ def failed_cell(record: dict) -> str:
 # ---- runs ----------------------------------------------------------------------------
 
 
-def source_digest() -> str:
-    """sha256 of flash_msa/**/*.py concatenated in byte order of their paths, 12 hex digits:
-    the same as benchmarks/gpu_tests.sh writes, and right where a copied tree has no .git."""
+def source_digest(package: pathlib.Path = ROOT / "flash_msa") -> str:
+    """sha256 of the package's **/*.py (this tree's flash_msa by default) concatenated in byte
+    order of their paths, 12 hex digits: the same as benchmarks/gpu_tests.sh writes, and
+    right where a copied tree has no .git."""
     digest = hashlib.sha256()
-    paths = sorted(path.relative_to(ROOT).as_posix() for path in ROOT.glob("flash_msa/**/*.py"))
+    root = package.parent
+    paths = sorted(path.relative_to(root).as_posix() for path in package.glob("**/*.py"))
     for path in paths:
-        digest.update((ROOT / path).read_bytes())
+        digest.update((root / path).read_bytes())
     return digest.hexdigest()[:12]
 
 
