@@ -3,7 +3,8 @@ CSR layout, with FlashAttention-3's structure.
 
 A tile is 128 query rows of one (batch, head); its CSR row lists its active kv blocks, the
 only ones that cost work (a dense layout is the all-active CSR). Tiles launch one (batch,
-head) after another, each over its query blocks heaviest first. A program runs one tile,
+kv head) after another, each over its query blocks heaviest first, each query block over
+the query heads of the kv head's GQA group (which read the same K and V). A program runs one tile,
 or (persistent) one per SM runs tiles until none are left, its producer taking each next
 one from a counter and handing it to the consumers. Three partitions of warps share the
 program (gl.warp_specialize):
@@ -120,35 +121,39 @@ LN_2: gl.constexpr = gl.constexpr(_env.LN_2)
 
 @gluon.jit
 def _tile(tile, tiles, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, PACK: gl.constexpr):
-    """Tile `tile` of the launch order: (batch, head) pairs one after the other (batch
-    major; PACK > 1: (batch, PACK query heads of a GQA group)), each over its query blocks
-    by descending work (row_order); so the tiles that run together read the K and V of one
-    head (L2), and each head ends on its lightest tiles. A tile is BLOCK rows: BLOCK / PACK
-    tokens x PACK heads. Returns its CSR row's entries [start, end), its TMA coordinates
-    q_row, q_col (Q and O: the 2-D view's, or PACK > 1 the first head in the 4-D view),
-    kv_row, kv_col (K and V), lse_offset (of its first head and token), the position of its
-    first query and its batch element. tiles = (row_order, row_offsets, stride_layout,
-    layout_batch_stride, layout_head_divisor, heads_q, group, seq_len_q, seq_len_kv,
-    num_q_blocks): see _forward_kernel."""
+    """Tile `tile` of the launch order: (batch, kv head) pairs one after the other (batch
+    major), each over its query blocks by descending work (row_order), and each query block
+    over the query heads of the kv head's GQA group (PACK > 1: PACK heads a tile); so the
+    tiles that run together read the K and V of one kv head (L2), the heads of a group at
+    once where they share a layout row, and each kv head ends on its lightest tiles. A tile
+    is BLOCK rows: BLOCK / PACK tokens x PACK heads. Returns its CSR row's entries [start,
+    end), its TMA coordinates q_row, q_col (Q and O: the 2-D view's, or PACK > 1 the first
+    head in the 4-D view), kv_row, kv_col (K and V), lse_offset (of its first head and
+    token), the position of its first query and its batch element. tiles = (row_order,
+    row_offsets, stride_layout, layout_batch_stride, layout_head_divisor, heads_q, group,
+    seq_len_q, seq_len_kv, num_q_blocks): see _forward_kernel."""
     (row_order, row_offsets, stride_layout, layout_batch_stride, layout_head_divisor, heads_q,
      group, seq_len_q, seq_len_kv, num_q_blocks) = tiles  # fmt: skip
-    pair = tile // num_q_blocks  # batch * H_q / PACK + head // PACK
-    query_block = gl.load(row_order + tile % num_q_blocks)
-    batch = pair // (heads_q // PACK)
-    head = pair % (heads_q // PACK) * PACK  # the tile's first query head
+    members = group // PACK  # tiles of a query block in a GQA group
+    heads_kv = heads_q // group
+    pair = tile // (num_q_blocks * members)  # batch * H_kv + kv head
+    rank = tile % (num_q_blocks * members)
+    query_block = gl.load(row_order + rank // members)
+    batch = pair // heads_kv
+    kv_head = pair % heads_kv
+    head = kv_head * group + rank % members * PACK  # the tile's first query head
     row = row_offsets + (batch * layout_batch_stride + head // layout_head_divisor) * stride_layout
     start = gl.load(row + query_block)
     end = gl.load(row + query_block + 1)
     query_first = query_block * (BLOCK // PACK)
     q_row = batch * seq_len_q + query_first
+    lse_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q + query_first
     if PACK == 1:
-        lse_offset = pair.to(gl.int64) * seq_len_q + query_first
         q_col = head * HEAD_DIM
     else:
-        lse_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q + query_first
         q_col = head
-    return (start, end, q_row, q_col, batch * seq_len_kv, (head // group) * HEAD_DIM,
-            lse_offset, query_first, batch)  # fmt: skip
+    return (start, end, q_row, q_col, batch * seq_len_kv, kv_head * HEAD_DIM, lse_offset,
+            query_first, batch)  # fmt: skip
 
 
 @gluon.constexpr_function

@@ -26,16 +26,16 @@ CONSUMER_REGISTERS = 240  # forward.CONSUMER_REGISTERS, the consumers' setmaxnre
 MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Masks' fields
 
 # The unmasked kernel's instructions (codegen.sass_fingerprint) with a program per tile,
-# per Triton version (its bundled ptxas): those timed at 8ee744e (the same instructions,
-# the kernel parameters' offsets aside: the query_masks argument moved them); a change to
-# the fast path must be deliberate.
+# per Triton version (its bundled ptxas): those timed at 8ee744e but for the tile's index
+# arithmetic before the loop (the GQA launch order) and the kernel parameters' offsets; a
+# change to the fast path must be deliberate.
 # (head_dim, dtype, num_stages, pingpong) -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
-        (128, "bf16", 2, True): "9b026cfad1ccf815",
-        (128, "bf16", 2, False): "50d292263a9d9010",
-        (128, "fp16", 2, True): "8f2ca859126d6592",
-        (64, "bf16", 3, True): "983b411d39a98cf6",
+        (128, "bf16", 2, True): "aa1df615ede0bd4e",
+        (128, "bf16", 2, False): "31511ce68d56889a",
+        (128, "fp16", 2, True): "f0aade721d4fb30c",
+        (64, "bf16", 3, True): "a1dbf9e06f99ea5e",
     },
 }
 
