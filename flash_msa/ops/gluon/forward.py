@@ -4,9 +4,9 @@ CSR layout, with FlashAttention-3's structure.
 A tile is 128 query rows of one (batch, head); its CSR row lists its active kv blocks, the
 only ones that cost work (a dense layout is the all-active CSR). Tiles launch one (batch,
 kv head) after another, each over its query blocks heaviest first, each query block over
-the query heads of the kv head's GQA group (which read the same K and V). A program runs one tile,
-or (persistent) one per SM runs tiles until none are left, its producer taking each next
-one from a counter and handing it to the consumers. Three partitions of warps share the
+the query heads of the kv head's GQA group (which read the same K and V). A program runs
+one tile, or (persistent) one per SM runs tiles until none are left, its producer taking
+each next one from a counter and handing it to the consumers. Three partitions of warps share the
 program (gl.warp_specialize):
 
 - a producer warp (few registers) issues TMA loads: the two 64-row halves of the query tile
