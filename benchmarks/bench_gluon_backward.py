@@ -17,12 +17,14 @@ forward's out and lse, it times (triton.testing.do_bench, median) the backward o
 Each Gluon variant's gradients are compared with the Triton backward's (relative error).
 TFLOP/s: 2 * 128^3 per matmul per active block pair and head, over the matmuls of the part
 (a whole backward: the five of FlashAttention's count; dK/dV: four). DIR/gluon_backward.json
-and .md (DIR defaults to benchmarks/results/<gpu>/).
+and .md (DIR defaults to benchmarks/results/<gpu>/), keeping the records of the cases this
+run leaves out.
 """
 
 from __future__ import annotations
 
 import argparse
+import operator
 
 import torch
 import triton
@@ -31,6 +33,7 @@ from common import (
     HEAD_DIM,
     failure,
     free_memory,
+    kept_records,
     markdown_table,
     random_inputs,
     results_dir,
@@ -122,16 +125,20 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     meta = run_metadata(device)
-    records = []
+    out_dir = results_dir(args.out, device)
+    names = args.cases.split(",")
+    records = kept_records(out_dir / "gluon_backward.json", operator.itemgetter("case"), names)
+    order = {name: index for index, name in enumerate(CASES)}
     columns = ["case", "impl", "bwd ms", "bwd TFLOP/s (5 mm)", "dK/dV ms", "dK/dV TFLOP/s (4 mm)",
                "dq / dk / dv vs triton"]  # fmt: skip
-    for name in args.cases.split(","):
+    for name in names:
         records += [dict(record, **meta) for record in run_case(name, device)]
+        records.sort(key=lambda record: order[record["case"]])
         free_memory()
         # after each case, so that a run cut short keeps the cases it finished
         body = markdown_table(columns, [(r, [r["case"], r["impl"], *cells(r)]) for r in records])
         write_report(
-            results_dir(args.out, device), "gluon_backward", records, meta=meta,
+            out_dir, "gluon_backward", records, meta=meta,
             title="Gluon backward, part by part",
             notes="bf16, B=1, H=16, D=128, blocks of 128, causal; given one Gluon forward's "
             "out and lse; medians of do_bench. dK/dV: a backward's time less the Triton dQ "

@@ -17,7 +17,7 @@ Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 12
 BlockMask with per-head kv indices [1, H_q, nq, nk] (common.flex_block_mask); where it fails
 (at 1M those indices do not fit) the record keeps its error.
 Writes DIR/msa.json and msa.md after each length (DIR defaults to benchmarks/results/<gpu>/),
-keeping the records of the lengths and granularities this run leaves out.
+keeping the records of the variants this run leaves out.
 """
 
 from __future__ import annotations
@@ -442,6 +442,13 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     )
 
 
+def record_key(record: dict) -> tuple:
+    """What a record measures: (seq_len, impl, granularity, q_block, proxies, scores), the
+    proxies and scores of records from before those keys existed being random and bf16."""
+    return (record["seq_len"], record["impl"], record.get("granularity"), record.get("q_block"),
+            record.get("proxies", "random"), record.get("scores", "bf16"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -477,16 +484,22 @@ def main() -> None:
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
     seq_lens = sorted(parse_length(text) for text in args.seq_lens.split(","))
-    measured = [(s, g) for s in seq_lens for g in [*granularities, None]]  # None: dense
-    records = kept_records(
-        out_dir / "msa.json", lambda r: (r["seq_len"], r.get("granularity")), measured
-    )
+    flex = not args.no_flex and "random" in proxies  # run_length's flex records
+    measured = [
+        *((s, impl, None, None, "random", "bf16") for s in seq_lens
+          for impl in ("sdpa_cudnn", "flash_msa", "flex")),  # dense, and pre-granularity rows
+        *((s, "flash_msa", granularity, q_block, kind, scores) for s in seq_lens
+          for kind in proxies for granularity, q_block, scores in variants),
+        *((s, "flex", granularity, None, "random", "bf16") for s in seq_lens
+          for granularity in granularities if flex),
+    ]  # fmt: skip
+    records = kept_records(out_dir / "msa.json", record_key, measured)
     dense_measured = {}
     for seq_len in seq_lens:
         records += [
             {**record, **meta}
             for record in run_length(
-                seq_len, device, dense_measured, variants, not args.no_flex, proxies
+                seq_len, device, dense_measured, variants, flex, proxies
             )
         ]
         records.sort(key=lambda record: record["seq_len"])

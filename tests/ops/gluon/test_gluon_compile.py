@@ -26,9 +26,8 @@ CONSUMER_REGISTERS = 240  # forward.CONSUMER_REGISTERS, the consumers' setmaxnre
 MASK_NAMES = ("left", "right", "documents", "kv_tail", "q_tail")  # forward.Masks' fields
 
 # The unmasked kernel's instructions (codegen.sass_fingerprint) with a program per tile,
-# per Triton version (its bundled ptxas): those timed at 8ee744e but for the tile's index
-# arithmetic before the loop (the GQA launch order) and the kernel parameters' offsets; a
-# change to the fast path must be deliberate.
+# per Triton version (its bundled ptxas): those timed at 071849a (the GQA launch order,
+# benchmarks/results/h200/tile_order.md); a change to the fast path must be deliberate.
 # (head_dim, dtype, num_stages, pingpong) -> fingerprint.
 FAST_PATH_SASS = {
     "3.6.0": {
