@@ -6,12 +6,12 @@ for query blocks of 2 to 32 rows with dk_proxy gathering 1, 2 or 4 of them a ste
 
     python3 benchmarks/bench_kl_configs.py [--seq-len 128k] [--proxies local,random]
         [--q-blocks 1,16,64] [--warps 4,8] [--stages 1,2,3] [--entries]
-        [--rows-kernels triton,gluon]
+        [--kernels triton,gluon]
 
-flash_msa.msa.kl.num_warps, num_stages and dk_proxy_entries hold the faster choices. With
---rows-kernels gluon the rows kernel is the Gluon one (sm_90, where it takes the call; the
-warps and stages then reach dk_proxy only); without --warps / --stages every program runs
-at the library's choice.
+flash_msa.msa.kl.num_warps, num_stages and dk_proxy_entries hold the faster choices (of the
+Triton kernels). With --kernels gluon the rows and the dk_proxy kernel are the Gluon ones
+(sm_90, where they take the call; the warps, stages and entries then reach neither);
+without --warps / --stages every program runs at the library's choice.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ def entry_choices(q_block: int, every: bool) -> list[int]:
 
 
 def time_kl(loss, warps: int | None, stages: int | None, entries: int,
-            rows_kernel: str) -> tuple[float, float, float]:  # fmt: skip
+            kernels: str) -> tuple[float, float, float]:  # fmt: skip
     """(forward without a gradient, forward with the q_proxy gradient, forward + backward) ms
     of loss() with every KL program at `warps` warps and `stages` stages (None: the
-    library's), dk_proxy gathering `entries` query blocks a step and the rows kernel
-    `rows_kernel` ("triton" or "gluon")."""
+    library's), dk_proxy gathering `entries` query blocks a step and the KL's kernels
+    `kernels` ("triton" or "gluon")."""
     warp_choice = kl.num_warps if warps is None else lambda kernel, q_block: warps
     stage_choice = kl.num_stages if stages is None else lambda kernel, q_block: stages
-    supports = kl_gluon.supports if rows_kernel == "gluon" else lambda *args: False
+    supports = kl_gluon.supports if kernels == "gluon" else lambda *args: False
     with (
         mock.patch.object(kl, "num_warps", warp_choice),
         mock.patch.object(kl, "num_stages", stage_choice),
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--q-blocks", default="1,16,64", help="the cases' query blocks to run")
     parser.add_argument("--warps", default="", help="e.g. 4,8 (default: the library's)")
     parser.add_argument("--stages", default="", help="e.g. 1,2,3 (default: the library's)")
-    parser.add_argument("--rows-kernels", default="triton", help="triton, gluon or both")
+    parser.add_argument("--kernels", default="triton", help="triton, gluon or both")
     parser.add_argument("--entries", action="store_true",
                         help="time dk_proxy gathering 1, 2 and 4 query blocks of 2 to 32 rows")
     args = parser.parse_args()
@@ -79,7 +79,7 @@ def main() -> None:
     )
     seq_len = args.seq_len
     device, scale = torch.device("cuda"), bench_msa.HEAD_DIM**-0.5
-    print("| proxies | granularity | q_block | rows kernel | warps | stages | dk_proxy entries "
+    print("| proxies | granularity | q_block | kernels | warps | stages | dk_proxy entries "
           "| forward ms | forward + dq_proxy ms | dk_proxy ms | total ms |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for proxies in args.proxies.split(","):
@@ -101,12 +101,12 @@ def main() -> None:
                 proxy_kl_loss, q_proxy, k_proxy, q, k, lse, layout, softmax_scale=scale,
                 proxy_softmax_scale=scale, query_masks=masks,
             )  # fmt: skip
-            configs = itertools.product(args.rows_kernels.split(","), warp_choices,
+            configs = itertools.product(args.kernels.split(","), warp_choices,
                                         stage_choices, entry_choices(q_block, args.entries))
-            for rows_kernel, warps, stages, entries in configs:
-                forward, with_grad, total = time_kl(loss, warps, stages, entries, rows_kernel)
+            for kernels, warps, stages, entries in configs:
+                forward, with_grad, total = time_kl(loss, warps, stages, entries, kernels)
                 shown = ["default" if value is None else value for value in (warps, stages)]
-                print(f"| {proxies} | {granularity} | {q_block} | {rows_kernel} | {shown[0]} "
+                print(f"| {proxies} | {granularity} | {q_block} | {kernels} | {shown[0]} "
                       f"| {shown[1]} | {entries} | {forward:.1f} | {with_grad:.1f} "
                       f"| {total - with_grad:.1f} | {total:.1f} |", flush=True)  # fmt: skip
             q_proxy.grad = k_proxy.grad = None

@@ -5,7 +5,8 @@
 attention: the Triton attention forward, dQ and dK/dV kernels (ragged lengths, GQA
 packing, documents and dropout, TMA and pointer loads); msa: the MSA kernels (block
 scores, KL forward, dq_proxy and dk_proxy); gluon (on an sm_90 GPU): the Gluon forward and
-its backward in each dQ mode (ragged lengths, GQA, a window, documents). The Triton
+its backward in each dQ mode (ragged lengths, GQA, a window, documents), and per-token
+MSA's Gluon selection and KL kernels (rows and dk_proxy). The Triton
 attention kernels run one explicit config each; msa_func's autotuned kernels try every
 config of their lists under the tool.
 """
@@ -50,15 +51,20 @@ def attention(device: torch.device) -> None:
         print(f"attention forward + backward, tma={tma}: done", flush=True)
 
 
-def msa(device: torch.device) -> None:
+def msa_step(device: torch.device, shapes: list[tuple[int, int]], **options) -> None:
+    """msa_func forward + backward at 700 tokens (ragged) on (heads, head dim) shapes of
+    q_proxy, k_proxy, q, k and v, top_k 4."""
     generator = torch.Generator(device=device).manual_seed(0)
-    shapes = [(2, 32), (1, 32), (8, 64), (2, 64), (2, 64)]  # q_proxy, k_proxy, q, k, v
     tensors = [torch.randn(1, 700, h, d, device=device, dtype=torch.bfloat16,
                            generator=generator).requires_grad_() for h, d in shapes]  # fmt: skip
-    out, kl_loss = msa_func(*tensors, top_k=4, q_block=64, kv_block=128)
+    out, kl_loss = msa_func(*tensors, top_k=4, kv_block=128, **options)
     (out.float().square().mean() + kl_loss).backward()
     torch.cuda.synchronize()
-    print("msa_func forward + backward: done", flush=True)
+    print(f"msa_func forward + backward {options}: done", flush=True)
+
+
+def msa(device: torch.device) -> None:
+    msa_step(device, [(2, 32), (1, 32), (8, 64), (2, 64), (2, 64)], q_block=64)
 
 
 def gluon(device: torch.device) -> None:
@@ -78,6 +84,8 @@ def gluon(device: torch.device) -> None:
                                     **options, grad_q=grad_q)  # fmt: skip
     torch.cuda.synchronize()
     print(f"gluon forward + backward ({', '.join(backward.GRAD_Q_MODES)}): done", flush=True)
+    # Per-token MSA with 8 query heads a proxy head: the Gluon selection and KL kernels.
+    msa_step(device, [(2, 64), (1, 64), (16, 64), (2, 64), (2, 64)], granularity="token")
 
 
 PARTS = {"attention": attention, "msa": msa, "gluon": gluon}

@@ -513,13 +513,19 @@ def _kl_backward(
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
+    divisor = _divisor(reduction, lse_proxy.numel())
+    grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
+    grad_k_proxy = torch.empty_like(k_proxy)
+    if kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block, documents is not None,
+                         q_blocks is not None):  # fmt: skip
+        kl_gluon.kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets,
+                             t_col_indices, t_query_masks, layout, grad_scale, grad_k_proxy,
+                             proxy_softmax_scale, softmax_scale)  # fmt: skip
+        return grad_k_proxy
     arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
     batch, heads_proxy_keys = q_proxy.shape[0], k_proxy.shape[2]
-    divisor = _divisor(reduction, lse_proxy.numel())
-    grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
     masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
-    grad_k_proxy = torch.empty_like(k_proxy)
     _launch(_kl_dk_proxy_kernel, (layout.num_kv_blocks, batch * heads_proxy_keys),
             num_stages("dk_proxy", layout.q_block), dict(
         ENTRIES=dk_proxy_entries(layout.q_block), t_row_offsets=t_row_offsets,

@@ -1,6 +1,7 @@
-"""proxy_kl_loss's rows kernel for Hopper (sm_90) in Gluon: the loss, the student's lse and
-d kl_loss / d q_proxy of kl.py's rows kernel, with the teacher's products on asynchronous
-warpgroup MMAs that run under the exponentials.
+"""proxy_kl_loss's kernels for Hopper (sm_90) in Gluon: the rows kernel (the loss, the
+student's lse and d kl_loss / d q_proxy of kl.py's rows kernel) and the dk_proxy kernel (d
+kl_loss / d k_proxy), with the teacher's products on asynchronous warpgroup MMAs that run
+under the exponentials.
 
 A program owns one query block of TOKENS tokens and one proxy head, and walks the block's
 CSR row (the blocks any of its tokens selected). The teacher needs every query head of the
@@ -25,10 +26,21 @@ over the student alone finds its lse (the two consumers exchange their halves), 
 second adds (s - t) k_proxy per block, a product [D_p, TOKENS] of the key tile, transposed,
 and (s - t) stored in shared memory.
 
+The dk_proxy kernel turns the walk around: a program owns one kv block and one proxy key
+head and walks, for each proxy head reading that key head, the query blocks that selected
+the block (the transposed layout's column), keeping its K and k_proxy tiles in shared memory
+and d k_proxy [64 keys, D_p] per consumer in registers, so no program writes another's rows
+(no atomics). The producer warp streams each entry's query side into a 2-deep ring: the
+group's query rows by TMA as CHUNKS boxes [HEADS_PER_CHUNK heads, TOKENS tokens, D] of a
+[B, H_q, S, D] view (head-major rows, as the rows kernel's chunks), the q_proxy rows, and the
+group's lse and the head's lse_proxy by plain loads. The consumers run the teacher's chunks
+as the rows kernel does, and at an entry's end (s - t) [64 keys, TOKENS], from registers as
+the A operand, times the entry's q_proxy rows into d k_proxy.
+
 Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than TOKENS,
 kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
-than 8 or 16 a proxy head take the Triton kernel (supports says which calls this
-one takes).
+than 8 or 16 a proxy head take the Triton kernels (supports says which calls these
+take).
 """
 
 from __future__ import annotations
@@ -56,6 +68,10 @@ HEAD_DIMS = (64, 128)
 GROUPS = (8, 16)  # query heads a proxy head: 2 or 4 chunks (the walk takes two a step)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 NUM_STAGES = 2  # K and k_proxy tiles in flight
+DK_NUM_STAGES = 2  # dk_proxy: entries in flight (each the group's query rows, [16 x G, D])
+# dk_proxy's producer computes the addresses of its lse loads: at 24 registers it spills.
+DK_CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(224)
+DK_PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(56)
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
 MAX_REGISTERS = 168  # 64K registers over 384 threads; setmaxnreg splits them as below
@@ -65,7 +81,7 @@ PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 
 def supports(q: torch.Tensor, q_proxy: torch.Tensor, q_block: int, kv_block: int,
              documents: bool, q_blocks: bool) -> bool:  # fmt: skip
-    """Whether this kernel takes a proxy_kl_loss call: an sm_90 GPU, fp16 / bf16 inputs of
+    """Whether these kernels take a proxy_kl_loss call: an sm_90 GPU, fp16 / bf16 inputs of
     D and D_p 64 or 128, query blocks of TOKENS and kv blocks of 128, 8 or 16 query heads a
     proxy head, no documents and no q_blocks, B * S below 2^31 (TMA coordinates)."""
     batch, seq_len, heads_q, head_dim = q.shape
@@ -475,6 +491,28 @@ def _kl_rows_kernel(
     )  # fmt: skip
 
 
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor whose base TMA can address (16-byte aligned): itself, or a copy."""
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
+
+
+def _key_descriptor(tensor: torch.Tensor) -> TensorDescriptor:
+    """The TMA view [B * S, H * D] of contiguous keys [B, S, H, D] in blocks [KV_BLOCK, D]."""
+    batch, seq_len, heads, dim = tensor.shape
+    flat = _aligned(tensor).view(batch * seq_len, heads * dim)
+    layout = gl.NVMMASharedLayout.get_default_for([KV_BLOCK, dim], DTYPES[tensor.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [KV_BLOCK, dim], layout)
+
+
+def _head_major_descriptor(tensor: torch.Tensor, heads: int) -> TensorDescriptor:
+    """The TMA view [B, H, S, D] of contiguous queries [B, S, H, D] in boxes
+    [1, heads, TOKENS, D]: a box lands as [heads x TOKENS, D], head-major, zeros from S on."""
+    view = _aligned(tensor).permute(0, 2, 1, 3)
+    block = [1, heads, TOKENS, tensor.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
+
+
 def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, layout,
             grad_scale, outputs, proxy_scale: float, softmax_scale: float) -> None:  # fmt: skip
     """Fill outputs = (lse_proxy, kl_rows, grad_q_proxy or None) as kl's rows kernel does,
@@ -484,19 +522,11 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
     lse_proxy, kl_rows_out, grad_q_proxy = outputs
     batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
     heads_q, heads_kv, head_dim = q.shape[2], k.shape[2], q.shape[3]
-    descriptors = {}
-    for name, tensor in (("k_desc", k), ("kp_desc", k_proxy)):
-        if tensor.data_ptr() % 16:  # TMA: aligned rows
-            tensor = tensor.clone()
-        flat = tensor.view(batch * seq_len, tensor.shape[2] * tensor.shape[3])
-        block = [KV_BLOCK, tensor.shape[3]]
-        shared = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
-        descriptors[name] = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block,
-                                             shared)  # fmt: skip
     with_grad = grad_q_proxy is not None
     has_masks = query_masks is not None
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
-        q_proxy=q_proxy, q=q, lse=lse, **descriptors, row_offsets=row_offsets,
+        q_proxy=q_proxy, q=q, lse=lse, k_desc=_key_descriptor(k),
+        kp_desc=_key_descriptor(k_proxy), row_offsets=row_offsets,
         col_indices=col_indices, query_masks=query_masks if has_masks else col_indices,
         grad_scale=grad_scale, lse_proxy=lse_proxy, kl_rows=kl_rows_out,
         grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
@@ -535,6 +565,313 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
                       GRAD=grad, NUM_STAGES=NUM_STAGES)  # fmt: skip
     name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}{'_grad' if grad else ''}"
     report = codegen.compile_kernel(_kl_rows_kernel, types, constexprs, workdir, name)
+    with open(report["sass"]) as handle:
+        report["exponentials_under_products"] = codegen.instructions_under_mma(
+            handle.read(), "MUFU.EX2"
+        )
+    return report
+
+
+# ---- d kl_loss / d k_proxy ---------------------------------------------------------------
+
+
+@gluon.jit
+def _column(columns, batch, head, block):
+    """(start, count) of the transposed layout's column `block` in proxy head `head`'s layout
+    row: its entries are the query blocks that selected the kv block. columns =
+    (t_row_offsets, layout_batch_stride, heads_per_layout, num_kv_blocks)."""
+    t_row_offsets, layout_batch_stride, heads_per_layout, num_kv_blocks = columns
+    layout_row = batch * layout_batch_stride + head // heads_per_layout
+    column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
+    start = gl.load(column)
+    return start, gl.load(column + 1) - start
+
+
+@gluon.jit
+def _dk_producer(descriptors, shared, walk, lse_values):
+    """The dk_proxy kernel's producer warp: the program's k_proxy tile; then per proxy head of
+    its key head the head's K tile (once the consumers released the one before) and, an
+    entry of the column a ring slot, the entry's query side: the group's query rows (CHUNKS
+    TMA boxes of HEADS_PER_CHUNK heads x TOKENS tokens, head-major), the proxy head's q_proxy
+    rows and, by plain loads, the group's lse (times log2 e) and the head's lse_proxy."""
+    k_desc, kp_desc, q_desc, qp_desc = descriptors
+    (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty, ready,
+     empty) = shared  # fmt: skip
+    columns, t_col_indices, batch, key_head, first_head, heads, block, seq_len, kv_group = walk
+    lse, lse_proxy, stride_lse_h, group = lse_values  # at the batch element
+    NUM_STAGES: gl.constexpr = qp_smem.type.shape[0]
+    TOKENS: gl.constexpr = qp_smem.type.shape[1]
+    CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    PROXY_DIM: gl.constexpr = kp_desc.block_type.shape[1]
+    lane_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # [64] over the warp
+    chunk_rows = gl.arange(0, HEADS_PER_CHUNK * TOKENS, layout=lane_layout)  # h * TOKENS + t
+    row_tokens = chunk_rows % TOKENS
+    offsets = (chunk_rows // TOKENS) * stride_lse_h + row_tokens  # [64] in a chunk's heads
+    tokens = gl.arange(0, TOKENS, layout=lane_layout)
+    key_row = batch * seq_len + block * KEYS
+
+    mbarrier.expect(kp_ready, kp_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kp_desc, [key_row, key_head * PROXY_DIM], kp_ready, kp_smem)
+    position = 0
+    for index in range(heads):
+        head = first_head + index
+        # A fresh barrier counts as having completed the phase before 0: the first waits
+        # pass at once.
+        mbarrier.wait(k_empty, (index & 1) ^ 1)
+        mbarrier.expect(k_ready, k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [key_row, (head // kv_group) * HEAD_DIM],
+                                        k_ready, k_smem)  # fmt: skip
+        start, count = _column(columns, batch, head, block)
+        for entry in range(count):
+            stage = position % NUM_STAGES
+            mbarrier.wait(empty.index(stage), ((position // NUM_STAGES) & 1) ^ 1)
+            first = gl.load(t_col_indices + start + entry) * TOKENS
+            entry_lse = lse + (head * group).to(gl.int64) * stride_lse_h + first
+            in_sequence = first + row_tokens < seq_len  # [64]
+            for chunk in gl.static_range(CHUNKS):
+                chunk_lse = gl.load(entry_lse + (chunk * HEADS_PER_CHUNK * stride_lse_h + offsets),
+                                    mask=in_sequence, other=0.0)  # fmt: skip
+                lse_smem.index(stage * CHUNKS + chunk).store(chunk_lse * 1.4426950408889634)
+            head_lse = gl.load(lse_proxy + head * seq_len + first + tokens,
+                               mask=first + tokens < seq_len, other=0.0)  # fmt: skip
+            lsep_smem.index(stage).store(head_lse)
+            gl.thread_barrier()  # every lane's stores before the arrival that publishes them
+            mbarrier.expect(ready.index(stage),
+                            CHUNKS * q_desc.block_type.nbytes + qp_desc.block_type.nbytes)
+            for chunk in gl.static_range(CHUNKS):
+                tma.async_copy_global_to_shared(
+                    q_desc, [batch, head * group + chunk * HEADS_PER_CHUNK, first, 0],
+                    ready.index(stage),
+                    q_smem.index(stage * CHUNKS + chunk).reshape(q_desc.block_type.shape),
+                )  # fmt: skip
+            tma.async_copy_global_to_shared(qp_desc, [batch, head, first, 0], ready.index(stage),
+                                            qp_smem.index(stage).reshape(qp_desc.block_type.shape))
+            position += 1
+
+
+@gluon.jit
+def _issue_queries(step, first_position, k_keys, q_smem, ready, acc):
+    """The async product S [64 keys, 64] of the walk's step `step`: the consumer's keys
+    against chunk step % CHUNKS of entry step // CHUNKS's query rows, into acc's registers
+    (its values are not read); at an entry's first chunk, once the entry has landed."""
+    NUM_STAGES: gl.constexpr = ready.type.shape[0]
+    CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
+    position = first_position + step // CHUNKS
+    stage = position % NUM_STAGES
+    if step % CHUNKS == 0:
+        mbarrier.wait(ready.index(stage), (position // NUM_STAGES) & 1)
+    queries = q_smem.index(stage * CHUNKS + step % CHUNKS)  # [64, D]
+    return warpgroup_mma(k_keys, queries.permute((1, 0)), acc, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
+                 HAS_QUERY_MASKS: gl.constexpr):  # fmt: skip
+    """One warpgroup's 64 keys of the program's kv block: per proxy head, the walk over the
+    column's entries (chunk c + 1's teacher product issued before chunk c's exponentials, as
+    the rows kernel's walk), at each entry's end (s - t) [64 keys, TOKENS] from registers
+    times the entry's q_proxy rows into d k_proxy [64, D_p]; then its rows of grad_k_proxy.
+    output = (grad_k_proxy, its strides over batch, sequence and heads, H_pk)."""
+    (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty, ready,
+     empty) = shared  # fmt: skip
+    columns, t_col_indices, query_masks, batch, first_head, heads, block, seq_len = walk
+    proxy_scale, qk_scale_log2, inverse_group, grad_scale = scales
+    dtype: gl.constexpr = q_smem.dtype
+    NUM_STAGES: gl.constexpr = qp_smem.type.shape[0]
+    TOKENS: gl.constexpr = qp_smem.type.shape[1]
+    PROXY_DIM: gl.constexpr = qp_smem.type.shape[2]
+    CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
+    t_layout: gl.constexpr = mma_layout(TOKENS, dtype)  # [64 keys, TOKENS]
+    token_layout: gl.constexpr = gl.SliceLayout(0, t_layout)
+    s_layout: gl.constexpr = mma_layout(HEADS_PER_CHUNK * TOKENS, dtype)  # [64 keys, 64]
+    grad_layout: gl.constexpr = mma_layout(PROXY_DIM, dtype)  # [64 keys, D_p]
+    operand_layout: gl.constexpr = gl.DotOperandLayout(
+        operand_index=0, parent=grad_layout, k_width=32 // dtype.primitive_bitwidth
+    )  # fmt: skip
+    keys = HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, t_layout))  # [64]
+    k_keys = k_smem.slice(HALF * HALF_N, HALF_N)  # [64, D]
+    kp_keys = kp_smem.slice(HALF * HALF_N, HALF_N)  # [64, D_p]
+    coefficient = gl.load(grad_scale)
+    grad_k = gl.zeros([HALF_N, PROXY_DIM], gl.float32, grad_layout)
+    mbarrier.wait(kp_ready, 0)
+    position = 0
+    for index in range(heads):
+        start, count = _column(columns, batch, first_head + index, block)
+        mbarrier.wait(k_ready, index & 1)
+        # As the rows kernel's walk: a step per (entry, chunk), two a loop; where the walk
+        # has no next step the last even one runs again, unread, and completes before the
+        # entry's slot is released.
+        steps = count * CHUNKS  # even: CHUNKS is
+        if steps > 0:
+            spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
+            even = _issue_queries(0, position, k_keys, q_smem, ready, spare)
+            odd = spare
+            logits = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
+            teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
+            for pair in range(0, steps, 2):
+                done = warpgroup_mma_wait(0, deps=(even,))
+                entry = pair // CHUNKS
+                stage = (position + entry) % NUM_STAGES
+                query_block, word = _entry_words(start + entry, t_col_indices, query_masks,
+                                                 HAS_QUERY_MASKS)  # fmt: skip
+                odd = _issue_queries(pair + 1, position, k_keys, q_smem, ready, odd)
+                logits = _student(kp_keys, qp_smem.index(stage), logits, True)
+                chunk = stage * CHUNKS + pair % CHUNKS
+                teacher += _chunk_teacher(done, chunk, lse_smem, qk_scale_log2, t_layout)
+                odd, logits = warpgroup_mma_wait(0, deps=(odd, logits))
+                even = _issue_queries(gl.minimum(pair + 2, steps - 2), position, k_keys, q_smem,
+                                      ready, done)  # fmt: skip
+                teacher += _chunk_teacher(odd, chunk + 1, lse_smem, qk_scale_log2, t_layout)
+                if (pair + 1) % CHUNKS == CHUNKS - 1:
+                    positions = query_block * TOKENS + gl.arange(0, TOKENS, layout=token_layout)
+                    visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
+                    student_lse = lsep_smem.index(stage).load(token_layout)  # [TOKENS]
+                    student = gl.exp(logits * proxy_scale - gl.expand_dims(student_lse, 0))
+                    grad = gl.where(visible, (student - teacher * inverse_group) * coefficient,
+                                    0.0)  # fmt: skip  # [64 keys, TOKENS]
+                    grad = gl.convert_layout(grad.to(dtype), operand_layout)
+                    grad_k = warpgroup_mma(grad, qp_smem.index(stage), grad_k, is_async=True)
+                    grad_k = warpgroup_mma_wait(0, deps=(grad_k,))
+                    mbarrier.arrive(empty.index(stage))
+                    teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
+            warpgroup_mma_wait(0, deps=(even,))
+        mbarrier.arrive(k_empty)
+        position += count
+    grad_k_proxy, stride_gk_b, stride_gk_s, stride_gk_h, heads_keys = output
+    grad_row = (grad_k_proxy + batch.to(gl.int64) * stride_gk_b
+                + (gl.program_id(1) % heads_keys) * stride_gk_h)  # fmt: skip
+    rows = block * 128 + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, grad_layout))
+    dims = gl.arange(0, PROXY_DIM, layout=gl.SliceLayout(0, grad_layout))
+    pointers = (grad_row + gl.expand_dims(rows.to(gl.int64) * stride_gk_s, 1)
+                + gl.expand_dims(dims, 0))  # fmt: skip
+    gl.store(pointers, (grad_k * proxy_scale).to(dtype),
+             mask=gl.expand_dims(rows < seq_len, 1))  # fmt: skip
+
+
+@gluon.jit
+def _kl_dk_proxy_kernel(
+    lse, lse_proxy, k_desc, kp_desc, q_desc, qp_desc, t_row_offsets, t_col_indices,
+    query_masks, grad_scale, grad_k_proxy, stride_lse_b, stride_lse_h, stride_gk_b,
+    stride_gk_s, stride_gk_h, seq_len, heads_proxy, proxy_group, kv_group, group,
+    layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
+    CHUNKS: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Grid (num_kv_blocks, B * H_pk): one program per (kv block, batch x proxy key head), as
+    kl._kl_dk_proxy_kernel's, writing its rows of grad_k_proxy (d kl_loss / d k_proxy times
+    grad_scale) and owning them: no atomics. k_desc, kp_desc: TMA views [B * S, H_kv * D] and
+    [B * S, H_pk * D_p] in blocks [128, D] and [128, D_p]; q_desc, qp_desc: views
+    [B, H_q, S, D] and [B, H_p, S, D_p] in boxes [1, HEADS_PER_CHUNK, TOKENS, D] and
+    [1, 1, TOKENS, D_p]; query_masks: int64 [nnz] in the transposed layout's order with
+    HAS_QUERY_MASKS. lse_proxy: the rows kernel's [B, H_p, S]."""
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    PROXY_DIM: gl.constexpr = kp_desc.block_type.shape[1]
+    TOKENS: gl.constexpr = qp_desc.block_type.shape[2]
+    dtype: gl.constexpr = k_desc.dtype
+    block = gl.program_id(0)
+    heads_keys = heads_proxy // proxy_group
+    batch = gl.program_id(1) // heads_keys
+    key_head = gl.program_id(1) % heads_keys
+
+    k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], k_desc.layout)
+    kp_smem = gl.allocate_shared_memory(dtype, [KEYS, PROXY_DIM], kp_desc.layout)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [HEADS_PER_CHUNK * TOKENS, HEAD_DIM], dtype
+    )  # fmt: skip
+    q_smem = gl.allocate_shared_memory(
+        dtype, [NUM_STAGES * CHUNKS, HEADS_PER_CHUNK * TOKENS, HEAD_DIM], q_layout
+    )  # fmt: skip
+    qp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TOKENS, PROXY_DIM], dtype)
+    qp_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TOKENS, PROXY_DIM], qp_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_smem = gl.allocate_shared_memory(
+        gl.float32, [NUM_STAGES * CHUNKS, HEADS_PER_CHUNK * TOKENS], flat
+    )  # fmt: skip
+    lsep_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, TOKENS], flat)
+    kp_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kp_ready, count=1)
+    mbarrier.init(k_ready, count=1)
+    mbarrier.init(k_empty, count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+
+    shared = (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty,
+              ready, empty)  # fmt: skip
+    columns = (t_row_offsets, layout_batch_stride, heads_per_layout, num_kv_blocks)
+    first_head = key_head * proxy_group
+    walk = (columns, t_col_indices, query_masks, batch, first_head, proxy_group, block, seq_len)
+    producer_walk = (columns, t_col_indices, batch, key_head, first_head, proxy_group, block,
+                     seq_len, kv_group)  # fmt: skip
+    lse_values = (lse + batch.to(gl.int64) * stride_lse_b,
+                  lse_proxy + batch.to(gl.int64) * heads_proxy * seq_len, stride_lse_h, group)
+    scales = (proxy_scale, qk_scale_log2, 1.0 / group, grad_scale)
+    output = (grad_k_proxy, stride_gk_b, stride_gk_s, stride_gk_h, heads_keys)
+    # The default partition (this kernel's 4 warps) is the first consumer.
+    gl.warp_specialize(
+        [(_dk_consumer, (shared, walk, scales, output, 0, HAS_QUERY_MASKS)),
+         (_dk_consumer, (shared, walk, scales, output, 1, HAS_QUERY_MASKS)),
+         (_dk_producer, ((k_desc, kp_desc, q_desc, qp_desc), shared, producer_walk,
+                         lse_values))],
+        [CONSUMER_WARPS, PRODUCER_WARPS],
+        [DK_CONSUMER_REGISTERS, DK_PRODUCER_REGISTERS],
+    )  # fmt: skip
+
+
+def kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets, t_col_indices,
+                t_query_masks, layout, grad_scale, grad_k_proxy, proxy_scale: float,
+                softmax_scale: float) -> None:  # fmt: skip
+    """Fill grad_k_proxy (like k_proxy) as kl's dk_proxy kernel does, over `layout` (as in
+    kl_rows; t_row_offsets / t_col_indices its transpose, t_query_masks its words in that
+    order or None), from the rows kernel's lse_proxy. Contiguous inputs; the caller checked
+    the call (supports)."""
+    batch, seq_len, heads_proxy, _ = q_proxy.shape
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    heads_keys = k_proxy.shape[2]
+    has_masks = t_query_masks is not None
+    _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_keys)](
+        lse=lse, lse_proxy=lse_proxy, k_desc=_key_descriptor(k), kp_desc=_key_descriptor(k_proxy),
+        q_desc=_head_major_descriptor(q, 4), qp_desc=_head_major_descriptor(q_proxy, 1),
+        t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
+        query_masks=t_query_masks if has_masks else t_col_indices, grad_scale=grad_scale,
+        grad_k_proxy=grad_k_proxy, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
+        stride_gk_b=grad_k_proxy.stride(0), stride_gk_s=grad_k_proxy.stride(1),
+        stride_gk_h=grad_k_proxy.stride(2), seq_len=seq_len, heads_proxy=heads_proxy,
+        proxy_group=heads_proxy // heads_keys, kv_group=heads_proxy // heads_kv,
+        group=heads_q // heads_proxy,
+        layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
+        heads_per_layout=heads_proxy // layout.layout_heads, num_kv_blocks=layout.num_kv_blocks,
+        proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
+        CHUNKS=heads_q // heads_proxy // 4, HAS_QUERY_MASKS=has_masks,
+        NUM_STAGES=DK_NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
+def compile_dk_proxy_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
+                              proxy_dim: int = 128, chunks: int = 4) -> dict:  # fmt: skip
+    """Compile the dk_proxy kernel for sm_90a without a GPU (with query masks; `chunks` x 4
+    query heads a proxy head) and report as compile_for_sm90 does."""
+    from flash_msa.ops.gluon import codegen
+
+    types = dict(
+        lse="*fp32", lse_proxy="*fp32",
+        k_desc=codegen.descriptor_type(dtype, KV_BLOCK, head_dim),
+        kp_desc=codegen.descriptor_type(dtype, KV_BLOCK, proxy_dim),
+        q_desc=codegen.descriptor_type(dtype, 1, 4, TOKENS, head_dim),
+        qp_desc=codegen.descriptor_type(dtype, 1, 1, TOKENS, proxy_dim),
+        t_row_offsets="*i32", t_col_indices="*i32", query_masks="*i64", grad_scale="*fp32",
+        grad_k_proxy=f"*{dtype}", proxy_scale="fp32", qk_scale_log2="fp32",
+    )  # fmt: skip
+    constexprs = dict(CHUNKS=chunks, HAS_QUERY_MASKS=True, NUM_STAGES=DK_NUM_STAGES)
+    name = f"kl_dk_proxy_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}"
+    report = codegen.compile_kernel(_kl_dk_proxy_kernel, types, constexprs, workdir, name)
     with open(report["sass"]) as handle:
         report["exponentials_under_products"] = codegen.instructions_under_mma(
             handle.read(), "MUFU.EX2"

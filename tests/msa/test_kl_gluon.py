@@ -91,9 +91,8 @@ def expected_kl(tensors, layout, words):
     ids=str,
 )  # fmt: skip
 def test_gluon_kl_matches_float64(geometry, masks, dtype, monkeypatch):
-    """On sm_90 the rows kernel is the Gluon one: its loss and both gradients (dk_proxy from
-    the Triton kernel, over its lse_proxy) are within 2x the Triton rows kernel's error of the
-    float64 KL on the same inputs, for 8 and 16 query heads a proxy head, D and D_p 64 and
+    """On sm_90 the rows and the dk_proxy kernel are the Gluon ones: their loss and both
+    gradients are within 2x the Triton kernels' error of the float64 KL on the same inputs, for 8 and 16 query heads a proxy head, D and D_p 64 and
     128, ragged lengths, a layout head per proxy head or one for all."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon KL runs on sm_90")
@@ -123,14 +122,18 @@ CASES = (("bf16", 128, 128, True, 4), ("bf16", 128, 128, False, 4), ("fp16", 64,
 for dtype, dim, proxy_dim, grad, chunks in CASES:
     report = kl_gluon.compile_for_sm90(sys.argv[1], dtype, dim, proxy_dim, grad, chunks)
     print(json.dumps(dict(report, name=f"{dtype} D {dim} D_p {proxy_dim} grad {grad}")))
+    if grad:
+        report = kl_gluon.compile_dk_proxy_for_sm90(sys.argv[1], dtype, dim, proxy_dim, chunks)
+        print(json.dumps(dict(report, name=f"dk_proxy {dtype} D {dim} D_p {proxy_dim}")))
 """
 
 
 def test_gluon_kl_compiles_for_hopper(sm90):
-    """The Gluon rows kernel for sm_90 (no GPU needed): warp-specialised, on warpgroup MMAs,
-    without spills, and exponentials between a teacher product's issue and its wait."""
+    """The Gluon rows and dk_proxy kernels for sm_90 (no GPU needed): warp-specialised, on
+    warpgroup MMAs, without spills, and exponentials between a teacher product's issue and
+    its wait."""
     reports = sm90(GLUON_SM90_COMPILE)
-    assert len(reports) == 3
+    assert len(reports) == 5
     for report in reports:
         assert report["wgmma"] and report["spills"] == 0, report
         assert report["setmaxnreg"] and report["exponentials_under_products"] >= 32, report
