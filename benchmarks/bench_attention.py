@@ -3,14 +3,15 @@
     python benchmarks/bench_attention.py [--cases causal-32k,window-1m] [--out DIR]
 
 bf16, batch 1, head dim 128, block 128 (msa-main-128k: query blocks of 64, MSA's main
-attention), causal (common.CASES, common.VARLEN_CASES). Each
-case builds one layout; flash-msa runs it through its gluon and its triton backend (one row
-each, and through gluon with deterministic=False; records carry `backend` and
-`deterministic`);
-FlexAttention (Triton kernels, compiled with dynamic=False) and FlashAttention-4
-(FlexAttention's FLASH backend) run the identical blocks as one BlockMask
-(common.flex_block_mask: diagonal blocks partial, the rest full). Cases whose dense
-attention fits add dense causal FlashAttention-4 (flash_attn.cute) and SDPA (cuDNN, flash).
+attention), causal but for longformer-128k and bigbird-128k (common.CASES,
+common.VARLEN_CASES; the cases are listed below). Each case builds one layout; flash-msa
+runs it through its gluon and its triton backend (one row each, and through gluon with
+deterministic=False; records carry `backend` and `deterministic`); FlexAttention (Triton
+kernels, compiled with dynamic=False) and FlashAttention-4 (FlexAttention's FLASH backend)
+run the identical blocks as one BlockMask
+(common.flex_block_mask: causal, diagonal blocks partial and the rest full; non-causal,
+every block full). Cases whose dense attention fits add dense FlashAttention-4
+(flash_attn.cute) and SDPA (cuDNN, flash), causal as the case is.
 FlashAttention-4 runs where flash_attn.cute imports. A run that fails on a case is recorded
 with its error and the run goes on. Writes DIR/attention.json, .md and .png (DIR defaults
 to benchmarks/results/<gpu>/), keeping the records of cases this run leaves out.
@@ -26,9 +27,10 @@ import operator
 import torch
 from common import (
     CASES,
-    HEAD_DIM,
     VARLEN_CASES,
+    K,
     compiled_flex,
+    dense_flops,
     failed_cell,
     failure,
     flex_block_mask,
@@ -57,9 +59,9 @@ IMPLS = {
     "flash_msa:triton": "flash-msa, triton backend (deterministic backward)",
     "flex": "FlexAttention (Triton), same blocks",
     "fa4_block_sparse": "FlashAttention-4 (FlexAttention FLASH backend), same blocks",
-    "fa4_dense": "FlashAttention-4 dense causal",
-    "sdpa_cudnn": "SDPA cuDNN dense causal",
-    "sdpa_flash": "SDPA flash (FlashAttention-2) dense causal",
+    "fa4_dense": "FlashAttention-4 dense, causal as the case",
+    "sdpa_cudnn": "SDPA cuDNN dense, causal as the case",
+    "sdpa_flash": "SDPA flash (FlashAttention-2) dense, causal as the case",
 }
 # flash-msa's rows: impl -> (backend, deterministic)
 OURS = {
@@ -113,7 +115,7 @@ def agreement(impls: dict) -> dict[str, dict]:
 def time_impls(case: dict, impls: dict, inputs, dense_timings: dict) -> list[dict]:
     """Time every implementation (impl -> (fn returning [1, S, H_q, D], forward FLOPs)) on one
     case (case: the fields every record starts with). Dense ones do not depend on the
-    layout: measured once per shape (dense_timings)."""
+    layout: measured once per shape and causal flag (dense_timings)."""
     q, k, v, dout = inputs
     outcomes = agreement(impls)
     records = []
@@ -122,7 +124,7 @@ def time_impls(case: dict, impls: dict, inputs, dense_timings: dict) -> list[dic
         if impl in OURS:
             backend, deterministic = OURS[impl]
             record.update(backend=backend, deterministic=deterministic)
-        shape_key = (impl, case["seq_len"], case["heads_q"], case["heads_kv"])
+        shape_key = (impl, case["seq_len"], case["heads_q"], case["heads_kv"], case["causal"])
         try:
             if "error" in record:
                 timing = None
@@ -173,21 +175,20 @@ def first(result):
 
 def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
     """flash-msa, FlexAttention and FA4 on the same blocks, and dense peers where they fit."""
-    seq_len, heads_q, heads_kv, build, dense = CASES[name]
-    layout_ms, layout = wall_ms(lambda: build(seq_len, device), device, repeats=5)
+    case = CASES[name]
+    seq_len, heads_q, heads_kv, causal = case.seq_len, case.heads_q, case.heads_kv, case.causal
+    layout_ms, layout = wall_ms(lambda: case.layout(seq_len, device), device, repeats=5)
     q, k, v, dout = inputs = random_inputs(seq_len, heads_q, heads_kv, device)
-    dense_flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q  # the anchors' count
-    # each of the layout heads serves heads_q / layout_heads query heads
-    per_layout = heads_q // layout.layout_heads
-    sparse_flops = dense_flops if name.startswith("causal") else layout.flops(HEAD_DIM) * per_layout
+    anchor_flops = dense_flops(seq_len, heads_q, causal=causal)
+    sparse_flops = case.flops(layout)
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex and SDPA take [B, H, S, D]
-    flex, block_mask = compiled_flex(), flex_block_mask(layout, heads_q)
+    flex, block_mask = compiled_flex(), flex_block_mask(layout, heads_q, causal=causal)
 
     impls = {
         **{
             impl: (
                 lambda backend=backend, deterministic=deterministic: block_sparse_attn_func(
-                    q, k, v, layout, causal=True, backend=backend, deterministic=deterministic
+                    q, k, v, layout, causal=causal, backend=backend, deterministic=deterministic
                 ),
                 sparse_flops,
             )
@@ -198,9 +199,9 @@ def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
     if fa4 is not None:
         flash = flex_call(flex, q_t, k_t, v_t, block_mask, backend="FLASH")
         impls["fa4_block_sparse"] = (flash, sparse_flops)
-    if dense and fa4 is not None:
-        impls["fa4_dense"] = (lambda: first(fa4(q, k, v, causal=True)), dense_flops)
-    if dense:
+    if case.dense and fa4 is not None:
+        impls["fa4_dense"] = (lambda: first(fa4(q, k, v, causal=causal)), anchor_flops)
+    if case.dense:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
@@ -211,13 +212,13 @@ def run_case(name: str, device, dense_timings: dict, fa4) -> list[dict]:
 
             def sdpa(backend=backend):
                 with sdpa_kernel(backend):
-                    out = scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True)
+                    out = scaled_dot_product_attention(q_t, k_t, v_t, is_causal=causal)
                 return out.transpose(1, 2)
 
-            impls[impl] = (sdpa, dense_flops)
-    case = dict(case=name, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv)
-    case.update(density=layout.density, layout_ms=round(layout_ms, 3))
-    return time_impls(case, impls, inputs, dense_timings)
+            impls[impl] = (sdpa, anchor_flops)
+    fields = dict(case=name, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv, causal=causal)
+    fields.update(density=layout.density, layout_ms=round(layout_ms, 3))
+    return time_impls(fields, impls, inputs, dense_timings)
 
 
 def run_varlen_case(name: str, device, fa4) -> list[dict]:
@@ -230,11 +231,18 @@ def run_varlen_case(name: str, device, fa4) -> list[dict]:
         lambda: patterns.causal(total, device=device, cu_seqlens=bounds), device, repeats=5
     )
     q, k, v, dout = inputs = random_inputs(total, heads, heads, device)
-    flops = sum(4 * HEAD_DIM * length * length / 2 for length in lengths) * heads
+    flops = sum(dense_flops(length, heads, causal=True) for length in lengths)
     impls = {
         impl: (
             lambda backend=backend, deterministic=deterministic: block_sparse_attn_varlen_func(
-                q[0], k[0], v[0], bounds, longest, layout, causal=True, backend=backend,
+                q[0],
+                k[0],
+                v[0],
+                bounds,
+                longest,
+                layout,
+                causal=True,
+                backend=backend,
                 deterministic=deterministic,
             )[None],
             flops,
@@ -269,9 +277,21 @@ def run_varlen_case(name: str, device, fa4) -> list[dict]:
             lambda: varlen_attn(q[0], k[0], v[0], bounds, bounds, longest, longest, **causal)[None],
             flops,
         )
-    case = dict(case=name, seq_len=total, heads_q=heads, heads_kv=heads)
+    case = dict(case=name, seq_len=total, heads_q=heads, heads_kv=heads, causal=True)
     case.update(density=layout.density, layout_ms=round(layout_ms, 3))
     return time_impls(case, impls, inputs, {})
+
+
+def case_description(name: str) -> tuple[str, str]:
+    """A case's mask ("causal" or "non-causal") and what its layout keeps, in a sentence;
+    ("-", "-") for a case of earlier records that is no longer defined."""
+    if name in VARLEN_CASES:
+        lengths = ", ".join(f"{length // K}K" for length in VARLEN_CASES[name])
+        return "causal", f"Packed documents of {lengths} tokens, causal within each (varlen)."
+    if name in CASES:
+        case = CASES[name]
+        return "causal" if case.causal else "non-causal", case.summary
+    return "-", "-"
 
 
 def ratio(peer: dict | None, ours: dict, key: str) -> str:
@@ -314,6 +334,11 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     by_case: dict[str, dict] = {}
     for record in records:
         by_case.setdefault(record["case"], {})[row_name(record)] = record
+    case_rows = [
+        (r, [r["case"], r["seq_len"], f"{r['heads_q']} / {r['heads_kv']}", f"{r['density']:.4f}",
+             *case_description(r["case"])])
+        for r in (next(iter(impls.values())) for impls in by_case.values())
+    ]  # fmt: skip
     columns = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "peak GiB"]
     timings = [(r, [r["case"], row_name(r), *timing_cells(r)]) for r in records]
     speedups = [
@@ -323,6 +348,10 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         if ours in impls
     ]
     body = [
+        "## Cases",
+        "",
+        *markdown_table(["case", "S", "H_q / H_kv", "density", "mask", "layout"], case_rows),
+        "",
         "## Times",
         "",
         *markdown_table(columns, timings),
@@ -341,9 +370,10 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         records,
         meta=meta,
         title="Block-sparse attention, side by side",
-        notes="bf16, B=1, D=128, block 128, causal; medians of do_bench. TFLOP/s over the "
-        "computed pairs (active blocks; dense causal: half the square), 3.5x the forward's "
-        "for forward+backward. layout_ms (in the JSON): building flash-msa's layout.",
+        notes="bf16, B=1, D=128, block 128, causal or not as each case (## Cases); medians "
+        "of do_bench. TFLOP/s over the computed pairs (every pair of the active blocks; dense "
+        "causal: half the square), 3.5x the forward's for forward+backward. layout_ms (in the "
+        "JSON): building flash-msa's layout.",
         body=body,
     )
     cases = [case for case, impls in by_case.items() if "fwd_ms" in impls.get("flex", {})]
@@ -367,24 +397,32 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         cases,
         {"forward": over_flex("fwd_ms"), "forward + backward": over_flex("fwd_bwd_ms")},
         ylabel="speed-up over FlexAttention (dashed: 1.25x)",
-        title=f"{meta['device']}, bf16, D=128, block 128, causal",
+        title=f"{meta['device']}, bf16, D=128, block 128",
         reference=1.25,
     )
 
 
 def main() -> None:
+    listing = [
+        "  {} [{}]: {}".format(name, *case_description(name)) for name in [*CASES, *VARLEN_CASES]
+    ]
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        epilog="\n".join(["cases (--cases, comma-separated; default: all):", *listing]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--cases", default=",".join([*CASES, *VARLEN_CASES]))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    names = args.cases.split(",")
+    order = {name: index for index, name in enumerate([*CASES, *VARLEN_CASES])}
+    unknown = [name for name in names if name not in order]
+    if unknown:
+        parser.error(f"unknown cases {unknown}: choose among {', '.join(order)}")
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
-    names = args.cases.split(",")
     records = kept_records(out_dir / "attention.json", operator.itemgetter("case"), names)
-    order = {name: index for index, name in enumerate([*CASES, *VARLEN_CASES])}
     fa4, dense_timings = fa4_attention(), {}
     for name in names:
         if name in VARLEN_CASES:

@@ -2,8 +2,9 @@
 
     PYTHONPATH=$PWD python benchmarks/bench_gluon_backward.py [--cases causal-32k,...] [--out DIR]
 
-bf16, B=1, H=16, D=128, blocks of 128, causal, over common.py's layouts. Given one Gluon
-forward's out and lse, it times (triton.testing.do_bench, median) the backward of each:
+bf16, B=1, H=16, D=128, blocks of 128, over common.py's layouts, causal as each case is. Given
+one Gluon forward's out and lse, it times (triton.testing.do_bench, median) the backward of
+each:
 - triton: the Triton backward (dQ kernel over the rows, dK/dV kernel over the columns);
 - the Triton dQ kernel alone (with delta), which the Gluon backward's deterministic mode
   reuses; a backward's time less this one is its dK/dV part;
@@ -57,15 +58,16 @@ GLUON_VARIANTS = {
 
 
 def run_case(name: str, device) -> list[dict]:
-    seq_len, heads_q, heads_kv, build, _ = CASES[name]
-    layout = build(seq_len, device)
+    case = CASES[name]
+    seq_len, heads_q, heads_kv = case.seq_len, case.heads_q, case.heads_kv
+    layout = case.layout(seq_len, device)
     layout.transpose()  # cached: not part of any timing
     q, k, v, grad_out = random_inputs(seq_len, heads_q, heads_kv, device)
     scale = HEAD_DIM**-0.5
     out, lse = gluon_forward.attention_forward(
-        q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=scale, causal=True
+        q, k, v, layout.row_offsets, layout.col_indices, softmax_scale=scale, causal=case.causal
     )
-    options = dict(causal=True, window_size=(-1, -1), softmax_scale=scale)
+    options = dict(causal=case.causal, window_size=(-1, -1), softmax_scale=scale)
     pair_flops = 2 * 128**3 * layout.nnz * heads_q / layout.layout_heads  # one matmul
 
     def tflops(ms: float, matmuls: int) -> float:
@@ -74,17 +76,18 @@ def run_case(name: str, device) -> list[dict]:
     def bench(fn) -> float:
         return triton.testing.do_bench(fn, rep=300)
 
-    case = dict(case=name, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv)
+    fields = dict(case=name, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+                  causal=case.causal)  # fmt: skip
     expected = attention_backward(grad_out, q, k, v, out, lse, layout, **options)
     triton_ms = bench(lambda: attention_backward(grad_out, q, k, v, out, lse, layout, **options))
     dq_ms = bench(lambda: grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options))
     records = [
-        dict(case, impl="triton", bwd_ms=round(triton_ms, 3), bwd_tflops=tflops(triton_ms, 5),
+        dict(fields, impl="triton", bwd_ms=round(triton_ms, 3), bwd_tflops=tflops(triton_ms, 5),
              dkdv_ms=round(triton_ms - dq_ms, 3), dkdv_tflops=tflops(triton_ms - dq_ms, 4)),
-        dict(case, impl="triton dQ kernel", bwd_ms=round(dq_ms, 3)),
+        dict(fields, impl="triton dQ kernel", bwd_ms=round(dq_ms, 3)),
     ]  # fmt: skip
     for label, variant in GLUON_VARIANTS.items():
-        record = dict(case, impl=label)
+        record = dict(fields, impl=label)
         try:
             grads = gluon_backward.attention_backward(
                 grad_out, q, k, v, out, lse, layout, **options, **variant
@@ -140,9 +143,9 @@ def main() -> None:
         write_report(
             out_dir, "gluon_backward", records, meta=meta,
             title="Gluon backward, part by part",
-            notes="bf16, B=1, H=16, D=128, blocks of 128, causal; given one Gluon forward's "
-            "out and lse; medians of do_bench. dK/dV: a backward's time less the Triton dQ "
-            "kernel's (which computes delta too).",
+            notes="bf16, B=1, H=16, D=128, blocks of 128, causal as each case is "
+            "(common.CASES); given one Gluon forward's out and lse; medians of do_bench. "
+            "dK/dV: a backward's time less the Triton dQ kernel's (which computes delta too).",
             body=body,
         )  # fmt: skip
 

@@ -6,9 +6,9 @@
 Each run times the flash_msa it imports (PYTHONPATH: the working tree, or a copy of an
 earlier commit's package) through block_sparse_attn_func with backend="gluon": forward,
 and forward + backward deterministic and not (triton.testing.do_bench, median), on common.py's
-cases (bf16, B=1, D=128, causal; default: top-k 16 at 128K with GQA 32/8 and 64/4, one
-layout for all heads, MSA's main attention with a layout per kv head and query blocks of 64,
-and dense causal 32K without GQA as a control), after checking its output against the
+cases (bf16, B=1, D=128, causal as each case is; default: top-k 16 at 128K with GQA 32/8 and
+64/4, one layout for all heads, MSA's main attention with a layout per kv head and query blocks
+of 64, and dense causal 32K without GQA as a control), after checking its output against the
 triton backend's. Records carry the run's --label and the source digest of the package
 timed; DIR/tile_order.json keeps the records of other labels, and tile_order.md sets the
 labels side by side (DIR defaults to benchmarks/results/<gpu>/).
@@ -23,7 +23,6 @@ import pathlib
 import torch
 from common import (
     CASES,
-    HEAD_DIM,
     free_memory,
     markdown_table,
     random_inputs,
@@ -44,22 +43,21 @@ MODES = {"fwd": None, "fwd_bwd": True, "fwd_bwd_nondeterministic": False}  # -> 
 
 
 def run_case(name: str, device) -> dict:
-    seq_len, heads_q, heads_kv, build, _ = CASES[name]
-    layout = build(seq_len, device)
+    case = CASES[name]
+    seq_len, heads_q, heads_kv = case.seq_len, case.heads_q, case.heads_kv
+    layout = case.layout(seq_len, device)
     q, k, v, dout = random_inputs(seq_len, heads_q, heads_kv, device)
 
     def call(backend="gluon", deterministic=True):
-        return block_sparse_attn_func(q, k, v, layout, causal=True, backend=backend,
+        return block_sparse_attn_func(q, k, v, layout, causal=case.causal, backend=backend,
                                       deterministic=deterministic)  # fmt: skip
 
     with torch.no_grad():
         difference = relative_difference(call(), call("triton"))
     record = dict(case=name, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
-                  q_block=layout.q_block, rel_diff_vs_triton=difference)  # fmt: skip
-    if name.startswith("causal"):
-        flops = 4 * HEAD_DIM * seq_len * seq_len / 2 * heads_q
-    else:
-        flops = layout.flops(HEAD_DIM) * (heads_q // layout.layout_heads)
+                  causal=case.causal, q_block=layout.q_block,
+                  rel_diff_vs_triton=difference)  # fmt: skip
+    flops = case.flops(layout)
     for mode, deterministic in MODES.items():
         if deterministic is None:
             ms = timed(call)["ms"]
@@ -87,8 +85,9 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     write_report(
         out_dir, "tile_order", records, meta=meta, title="The gluon backend's launch order",
         notes=f"Labels {', '.join(labels)}: each a run of bench_tile_order.py over another "
-        "flash_msa package (source_sha256 in the JSON). bf16, B=1, D=128, causal, backend "
-        "gluon; medians of do_bench.", body=markdown_table(columns, rows),
+        "flash_msa package (source_sha256 in the JSON). bf16, B=1, D=128, causal as each case "
+        "is (common.CASES), backend gluon; medians of do_bench.",
+        body=markdown_table(columns, rows),
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import pathlib
 from collections.abc import Callable
@@ -52,15 +53,66 @@ def msa_layout(seq_len: int, device) -> BlockLayout:
                          fixed_counts=True)  # fmt: skip
 
 
+def longformer_layout(seq_len: int, device) -> BlockLayout:
+    """Longformer, non-causal: a sliding window of 2048 tokens on each side (the keys at
+    most 2048 tokens from the query: 33 blocks a row) and 128 global tokens, which every
+    query sees and which see every key (a dense row)."""
+    return patterns.longformer(seq_len, 2048, 128, causal=False, device=device)
+
+
+def bigbird_layout(seq_len: int, device) -> BlockLayout:
+    """BigBird, non-causal: a sliding window of 1024 tokens on each side (17 blocks), 256
+    global tokens (2 dense rows and columns) and 16 random blocks per row (seed 0)."""
+    return patterns.bigbird(seq_len, 1024, 256, 16, causal=False, device=device)
+
+
+def irregular_layout(seq_len: int, device) -> BlockLayout:
+    """Causal rows of very uneven lengths: row r keeps its own block and random earlier
+    ones, min(c_r, r + 1) blocks in all, c_r = floor(2^(8u)) for u uniform in [0, 1), so
+    log-uniform from 1 to 255 (seed 0)."""
+    blocks = -(-seq_len // 128)
+    generator = torch.Generator(device=device).manual_seed(0)
+    scores = torch.rand(blocks, blocks, device=device, generator=generator)
+    rows = torch.arange(blocks, device=device)
+    scores[rows, rows] = 2.0  # above every random score: always kept
+    scores[rows[:, None] < rows] = -1.0  # below every random score: past the diagonal
+    counts = torch.exp2(8 * torch.rand(blocks, device=device, generator=generator)).long()
+    ranks = scores.argsort(dim=1, descending=True).argsort(dim=1)  # 0: the row's highest
+    keep = ranks < torch.minimum(counts, rows + 1)[:, None]
+    return patterns.from_dense_mask(keep, seq_len_q=seq_len)
+
+
+def dense_flops(seq_len: int, heads_q: int, *, causal: bool) -> float:
+    """Forward FLOPs of dense attention at head dim HEAD_DIM: 4 * HEAD_DIM per pair, all
+    S x S pairs of each query head, or under causal half of them (the count FlashAttention
+    reports)."""
+    return 4 * HEAD_DIM * seq_len * seq_len * heads_q / (2 if causal else 1)
+
+
 class Case(NamedTuple):
     seq_len: int
     heads_q: int
     heads_kv: int
     layout: Callable[[int, object], BlockLayout]  # (seq_len, device) -> layout
     dense: bool  # dense peers (FA4, SDPA) run too: the S x S attention fits
+    causal: bool = True  # keys j <= i only; else every pair of every active block
+
+    @property
+    def summary(self) -> str:
+        """What the layout keeps, in a sentence: its builder's docstring's first paragraph."""
+        return " ".join(inspect.getdoc(self.layout).split("\n\n")[0].split())
+
+    def flops(self, layout: BlockLayout) -> float:
+        """Forward FLOPs of flash-msa and its block-sparse peers on the case's layout: half
+        the square for dense causal (the dense peers' count), else every pair of every
+        active block."""
+        if self.layout is causal_layout:
+            return dense_flops(self.seq_len, self.heads_q, causal=True)
+        # each layout head serves heads_q / layout_heads query heads
+        return layout.flops(HEAD_DIM) * (self.heads_q // layout.layout_heads)
 
 
-# bf16, B=1, D=128, block 128, causal
+# bf16, B=1, D=128, block 128
 CASES = {
     "causal-32k": Case(32 * K, 16, 16, causal_layout, True),
     "causal-128k": Case(128 * K, 16, 16, causal_layout, True),
@@ -72,6 +124,11 @@ CASES = {
     "topk16-gqa64x4-128k": Case(128 * K, 64, 4, topk_layout, False),
     # MSA's main attention: H_q 64, H_kv 4, a layout per kv head, q_block 64
     "msa-main-128k": Case(128 * K, 64, 4, msa_layout, False),
+    # non-causal, with dense global rows
+    "longformer-128k": Case(128 * K, 16, 16, longformer_layout, False, causal=False),
+    "bigbird-128k": Case(128 * K, 16, 16, bigbird_layout, False, causal=False),
+    # causal rows of 1 to 255 blocks: the heaviest-rows-first launch order and load balance
+    "irregular-128k": Case(128 * K, 16, 16, irregular_layout, False),
 }
 
 # name -> document lengths (packed back to back, causal within each), H = 16

@@ -56,9 +56,9 @@ def kernel_times(step, repeats: int = 5) -> dict[str, float]:
     }
 
 
-def forward_backward(q, k, v, dout, layout, options: dict):
+def forward_backward(q, k, v, dout, layout, options: dict, *, causal: bool):
     """out, dq, dk, dv from the Triton launchers under one variant's options."""
-    mask = dict(causal=True, window_size=(-1, -1), softmax_scale=HEAD_DIM**-0.5)
+    mask = dict(causal=causal, window_size=(-1, -1), softmax_scale=HEAD_DIM**-0.5)
     out, lse = attention_forward(
         q, k, v, layout, **mask, tma=options["tma"], query_rows=options["query_rows"]
     )
@@ -128,13 +128,14 @@ def write_reports(records: list[dict], meta: dict, out_dir, name: str) -> None:
     columns = ["TMA", "forward q rows", "dQ q rows", "dK/dV kv x q rows"]
     columns += [f"{kernel} ms" for kernel in kernels] + ["max rel. diff. vs first variant"]
     case = records[0]["case"]
+    mask = "causal" if CASES[case].causal else "non-causal"
     write_report(
         out_dir,
         name,
         records,
         meta=meta,
         title=f"Kernel times per launcher option, {case}",
-        notes="bf16, B=1, D=128, block 128, causal; mean device ms per launch "
+        notes=f"bf16, B=1, D=128, block 128, {mask}; mean device ms per launch "
         "(torch.profiler, 5 runs); the autotuner picks warps, stages and the inner tile.",
         body=markdown_table(columns, rows),
     )
@@ -156,16 +157,19 @@ def main() -> None:
     device = torch.device("cuda")
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
-    seq_len, heads_q, heads_kv, build, _ = CASES[args.case]
-    layout = build(seq_len, device)
-    q, k, v, dout = (t.detach() for t in random_inputs(seq_len, heads_q, heads_kv, device))
+    case = CASES[args.case]
+    layout = case.layout(case.seq_len, device)
+    inputs = random_inputs(case.seq_len, case.heads_q, case.heads_kv, device)
+    q, k, v, dout = (t.detach() for t in inputs)
     chosen = variants(args)
     name = f"tune_{args.case}"
     key = operator.itemgetter(*OPTIONS)
     records = kept_records(out_dir / f"{name}.json", key, map(key, chosen))
     first = None  # out, dq, dk, dv of the first variant that ran
     for options in chosen:
-        step = functools.partial(forward_backward, q, k, v, dout, layout, options)
+        step = functools.partial(
+            forward_backward, q, k, v, dout, layout, options, causal=case.causal
+        )
         record = dict(case=args.case, **options)
         try:
             values = step()  # autotunes

@@ -62,6 +62,7 @@ def window_layout(seq_len: int, device) -> BlockLayout:
 
 
 def causal_layout(seq_len: int, device) -> BlockLayout:
+    """Every causal pair: dense causal attention."""
     return patterns.causal(seq_len, device=device)
 
 
@@ -173,6 +174,8 @@ def flex_block_mask(
     heads_q: int,
     document_ids: torch.Tensor | None = None,
     token_blocks: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
 ):
     """The layout as a FlexAttention BlockMask of the same (q_block, kv_block) tiles under a
     causal mask_mod (and, with document_ids int [S], one of a single document): the blocks
@@ -182,15 +185,23 @@ def flex_block_mask(
     B = layout_batch and H = 1 for a shared layout, else H_q (query head h reads layout
     head h // (H_q / layout_heads)). token_blocks, bool [layout_heads, S, nk] (layout_batch 1):
     per query token the kv blocks it reads (MSA's per-token selection): every block is partial
-    and the mask_mod reads it."""
+    and the mask_mod reads it. With causal=False every block is full, under a mask_mod that
+    keeps the pairs inside the sequence: FlexAttention masks a ragged last block itself, and
+    its FLASH backend reads the block indices only under a mask_mod that is not trivial
+    (under none it attends to every block)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if not causal and (document_ids is not None or token_blocks is not None):
+        raise ValueError(
+            "flex_block_mask with causal=False masks no pairs inside its blocks: "
+            "document_ids and token_blocks need causal=True"
+        )
     device, num_rows = layout.device, layout.num_layouts * layout.num_q_blocks
     rows = layout.entry_rows()  # [nnz] flat row: layout * nq + query block
     query_blocks = rows % layout.num_q_blocks
     first_keys = layout.col_indices.long() * layout.kv_block  # [nnz]
-    # A block needs the causal mask when its last key comes after its first query.
-    partial = first_keys + layout.kv_block - 1 > query_blocks * layout.q_block
+    # Under causal a block needs the mask when its last key comes after its first query.
+    partial = causal & (first_keys + layout.kv_block - 1 > query_blocks * layout.q_block)
     if document_ids is not None:
         # Documents are contiguous: a block before the diagonal lies in one document when its
         # first key and its last query do.
@@ -215,13 +226,19 @@ def flex_block_mask(
             return tensor
         return tensor.repeat_interleave(heads_q // layout.layout_heads, dim=1)
 
-    def causal(batch, head, q_index, kv_index):
+    def in_sequence(batch, head, q_index, kv_index):
+        return (q_index < layout.seq_len_q) & (kv_index < layout.seq_len_kv)
+
+    def causal_pairs(batch, head, q_index, kv_index):
         return q_index >= kv_index
 
     def causal_documents(batch, head, q_index, kv_index):
         return (q_index >= kv_index) & (document_ids[q_index] == document_ids[kv_index])
 
-    mask_mod = causal if document_ids is None else causal_documents
+    if not causal:
+        mask_mod = in_sequence
+    else:
+        mask_mod = causal_pairs if document_ids is None else causal_documents
     if token_blocks is not None:
         group = heads_q // token_blocks.shape[0]
         partial = torch.ones_like(partial)

@@ -82,18 +82,22 @@ def test_missing_matplotlib_is_named_before_measuring(monkeypatch, capsys, tmp_p
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("documents", [False, True])
-def test_flex_block_mask_keeps_the_layout_and_masks_only_partial_blocks(documents):
+@pytest.mark.parametrize("documents, causal", [(False, True), (True, True), (False, False)])
+def test_flex_block_mask_keeps_the_layout_and_masks_only_partial_blocks(documents, causal):
     """The BlockMask's blocks are the layout's; its full blocks keep every pair the element
-    masks (causal, one document) keep, and its partial blocks are exactly the others."""
+    masks (causal, one document) keep, and its partial blocks are exactly the others: none
+    without causal, where every pair of every block is kept."""
     seq_len, block = 200, 16  # ragged: the last block holds 8 tokens
     cu_seqlens = torch.tensor([0, 70, 72, 150, seq_len], dtype=torch.int32)
-    window = patterns.sliding_window(seq_len, 64, block_size=block)
+    window = patterns.sliding_window(seq_len, 64, causal=causal, block_size=block)
     layout = window & patterns.documents(cu_seqlens, block_size=block) if documents else window
+    assert causal or layout.to_dense()[0].triu(1).any()  # blocks past the diagonal
     document_ids = bench.Case("documents", layout, cu_seqlens, False).document_ids
-    block_mask = bench.flex_block_mask(layout, 4, document_ids if documents else None)
+    block_mask = bench.flex_block_mask(
+        layout, 4, document_ids if documents else None, causal=causal
+    )
     pairs = layout_mask(
-        layout, 1, 1, causal=True, document_ids=document_ids[None] if documents else None
+        layout, 1, 1, causal=causal, document_ids=document_ids[None] if documents else None
     )[0, 0]  # [S, S]
 
     def blocks(counts, indices):  # [nq, nk] bool of a BlockMask's (counts, indices)
@@ -108,6 +112,21 @@ def test_flex_block_mask_keeps_the_layout_and_masks_only_partial_blocks(document
     for row, col in torch.nonzero(full | partial).tolist():
         tile = pairs[row * block : (row + 1) * block, col * block : (col + 1) * block]
         assert bool(tile.all()) == bool(full[row, col]), (row, col)
+
+
+def test_non_causal_flex_block_mask_keeps_the_pairs_inside_the_sequence():
+    """Its mask_mod keeps every pair inside the sequence and none past it: not the trivial
+    one, under which FlexAttention's FLASH backend would attend to every block."""
+    seq_len = 200
+    layout = patterns.longformer(seq_len, 32, 16, block_size=16)
+    block_mask = bench.flex_block_mask(layout, 2, causal=False)
+    q_index, kv_index = torch.arange(seq_len + 1)[:, None], torch.arange(seq_len + 1)[None]
+    kept = block_mask.mask_mod(torch.tensor(0), torch.tensor(0), q_index, kv_index)
+    assert kept[:seq_len, :seq_len].all()
+    assert not kept[seq_len].any() and not kept[:, seq_len].any()
+    document_ids = torch.zeros(seq_len, dtype=torch.int32)
+    with pytest.raises(ValueError, match="document_ids and token_blocks need causal=True"):
+        bench.flex_block_mask(layout, 2, document_ids, causal=False)
 
 
 def test_case_flops_count_the_computed_pairs():
@@ -137,6 +156,7 @@ def test_timed_clears_gradients_before_every_call(device, monkeypatch):
         (x * 2).sum().backward()
 
     if device == "cuda" and not torch.cuda.is_available():
+
         def do_bench(fn, **options):
             for _ in range(5):
                 fn()
