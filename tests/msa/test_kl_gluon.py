@@ -92,8 +92,9 @@ def expected_kl(tensors, layout, words):
 )  # fmt: skip
 def test_gluon_kl_matches_float64(geometry, masks, dtype, monkeypatch):
     """On sm_90 the rows and the dk_proxy kernel are the Gluon ones: their loss and both
-    gradients are within 2x the Triton kernels' error of the float64 KL on the same inputs, for 8 and 16 query heads a proxy head, D and D_p 64 and
-    128, ragged lengths, a layout head per proxy head or one for all."""
+    gradients are within 2x the Triton kernels' error of the float64 KL on the same inputs,
+    for 8 and 16 query heads a proxy head, D and D_p 64 and 128, ragged lengths, a layout
+    head per proxy head or one for all."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon KL runs on sm_90")
     tensors, layout, words, lse = kl_inputs(geometry, dtype, masks, seed=geometry[1])
