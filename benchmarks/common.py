@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import pathlib
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -205,12 +206,19 @@ def run_metadata(device: torch.device) -> dict:
     )  # fmt: skip
 
 
+def gpu_folder(name: str) -> str:
+    """The results folder of a GPU named `name`: its model ("NVIDIA H100 80GB HBM3" -> h100,
+    "NVIDIA H200" -> h200, "NVIDIA A100-SXM4-80GB" -> a100), else the name's last word."""
+    model = re.search(r"\b[A-Z]\d{2,4}\b", name)
+    return (model.group(0) if model else name.split()[-1]).lower()
+
+
 def results_dir(out: str | None, device: torch.device, suffix: str = "") -> pathlib.Path:
-    """out, or benchmarks/results/<gpu><suffix>/ (e.g. h200, or h200x8 for suffix "x8"; cpu
-    on the CPU), created if missing."""
+    """out, or benchmarks/results/<gpu><suffix>/ (gpu_folder, e.g. h200, or h200x8 for suffix
+    "x8"; cpu on the CPU), created if missing."""
     if out is None:
         gpu = device.type == "cuda"
-        folder = torch.cuda.get_device_name(device).split()[-1].lower() if gpu else "cpu"
+        folder = gpu_folder(torch.cuda.get_device_name(device)) if gpu else "cpu"
         out = ROOT / "benchmarks" / "results" / f"{folder}{suffix}"
     path = pathlib.Path(out)
     path.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """benchmarks/common.py's cases: every layout builder runs on the CPU at a small length and
 gives a valid layout that keeps to its case's mask (causal: nothing past the diagonal;
 non-causal: blocks past it and dense global rows); the irregular case's rows differ as much
-as it says; FLOP counts of non-causal cases are every pair of every active block."""
+as it says; FLOP counts of non-causal cases are every pair of every active block; results
+folders are named after the GPU model."""
 
 import importlib.util
 from pathlib import Path
@@ -66,3 +67,14 @@ def test_non_causal_flops_count_every_pair_of_every_active_block(name):
     layout = case.layout(seq_len, "cpu")
     pairs = int(layout_mask(layout, 1, heads_q, causal=False).sum())
     assert case.flops(layout) == 4 * common.HEAD_DIM * pairs
+
+
+@pytest.mark.parametrize(
+    ("name", "folder"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+     ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "4090")],
+)  # fmt: skip
+def test_results_go_to_the_gpu_models_folder(name, folder):
+    """Results land in a folder named after the GPU's model, not the last word of its name
+    (an H100 80GB HBM3 is h100, not hbm3)."""
+    assert common.gpu_folder(name) == folder
