@@ -193,19 +193,30 @@ def _student(kp_keys, qp_smem, acc, is_async: gl.constexpr):
 
 
 @gluon.jit
-def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, HALF: gl.constexpr):
-    """The async product S [64 keys, 64] of the walk's step `step`: entry step // CHUNKS's
-    keys against chunk step % CHUNKS of the group's queries, into acc's registers (its values
-    are not read); at an entry's first chunk, once the entry's tiles have landed."""
-    CHUNKS: gl.constexpr = q_smem.type.shape[0]
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, HALF: gl.constexpr,
+                 KEYS_IN_RING: gl.constexpr):  # fmt: skip
+    """The async product S [64 keys, 64] of the walk's step `step`: the consumer's keys of
+    entry step // CHUNKS against chunk step % CHUNKS of its queries, into acc's registers (its
+    values are not read); at an entry's first chunk, once the entry's slot has landed.
+    KEYS_IN_RING (the rows kernel): the ring holds each entry's K tile, q_smem the program's
+    CHUNKS query chunks; else (dk_proxy) k_smem is the program's K tile and the ring holds
+    each entry's CHUNKS query chunks."""
+    NUM_STAGES: gl.constexpr = ready.type.shape[0]
+    if KEYS_IN_RING:
+        CHUNKS: gl.constexpr = q_smem.type.shape[0]
+    else:
+        CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
     position = first_walk + step // CHUNKS
     stage = position % NUM_STAGES
     if step % CHUNKS == 0:
         mbarrier.wait(ready.index(stage), (position // NUM_STAGES) & 1)
-    k_keys = k_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D]
-    return warpgroup_mma(k_keys, q_smem.index(step % CHUNKS).permute((1, 0)), acc,
-                         use_acc=False, is_async=True)  # fmt: skip
+    if KEYS_IN_RING:
+        keys = k_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D]
+        queries = q_smem.index(step % CHUNKS)  # [64, D]
+    else:
+        keys = k_smem.slice(HALF * HALF_N, HALF_N)
+        queries = q_smem.index(stage * CHUNKS + step % CHUNKS)
+    return warpgroup_mma(keys, queries.permute((1, 0)), acc, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -218,6 +229,39 @@ def _chunk_teacher(s, chunk, lse_smem, qk_scale_log2, t_layout: gl.constexpr):
     probs = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse, 0))  # [64 keys, 64]
     heads = gl.reshape(probs, [HALF_N, HEADS_PER_CHUNK, TOKENS])
     return gl.convert_layout(gl.sum(heads, axis=1), t_layout)
+
+
+@gluon.jit
+def _teacher_pair(pair, steps, first_walk, tiles, products, lse_first, qk_scale_log2,
+                  HALF: gl.constexpr, KEYS_IN_RING: gl.constexpr):  # fmt: skip
+    """Steps pair and pair + 1 of a walk of `steps` (a step per (entry, chunk); CHUNKS even,
+    so both are of one entry): chunk pair's S (issued the step before) waited for, pair + 1's
+    issued and the student's product [64 keys, TOKENS] issued beside it, pair's
+    exponentials, pair + 1's waited for, pair + 2's issued, pair + 1's exponentials. Where
+    the walk has no step pair + 2, the step steps - 2 runs again, unread (the callers say
+    why its slot stays as it is while it runs). tiles =
+    (k_smem, q_smem, ready, kp_keys, qp: the entry's q_proxy rows, lse_smem); products =
+    (even, odd, logits, teacher); lse_first: lse_smem's index of the entry's chunk 0.
+    Returns the products, teacher summed over both chunks' heads."""
+    k_smem, q_smem, ready, kp_keys, qp, lse_smem = tiles
+    even, odd, logits, teacher = products
+    if KEYS_IN_RING:
+        CHUNKS: gl.constexpr = lse_smem.type.shape[0]
+    else:
+        CHUNKS: gl.constexpr = lse_smem.type.shape[0] // ready.type.shape[0]
+    t_layout: gl.constexpr = teacher.type.layout
+    done = warpgroup_mma_wait(0, deps=(even,))
+    odd = _issue_chunk(pair + 1, first_walk, k_smem, q_smem, ready, odd, HALF, KEYS_IN_RING)
+    # The student's product, read at the entry's last chunk (with 4 chunks also issued at
+    # the second, unread: an async product cannot be issued conditionally).
+    logits = _student(kp_keys, qp, logits, True)
+    chunk = lse_first + pair % CHUNKS
+    teacher += _chunk_teacher(done, chunk, lse_smem, qk_scale_log2, t_layout)
+    odd, logits = warpgroup_mma_wait(0, deps=(odd, logits))
+    even = _issue_chunk(gl.minimum(pair + 2, steps - 2), first_walk, k_smem, q_smem, ready,
+                        done, HALF, KEYS_IN_RING)  # fmt: skip
+    teacher += _chunk_teacher(odd, chunk + 1, lse_smem, qk_scale_log2, t_layout)
+    return even, odd, logits, teacher
 
 
 @gluon.jit
@@ -302,10 +346,9 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     grad_t_layout: gl.constexpr = mma_layout(TOKENS, dtype)  # [D_p, TOKENS] over 4 warps
     grad_q = gl.zeros([PROXY_DIM, TOKENS], gl.float32, grad_t_layout)  # transposed
     grad_mine = grad_smem.index(HALF)  # [64 keys, TOKENS]
-    # The second walk, a step per (entry, chunk), two steps a loop: each step's product
-    # runs while the step before it takes its exponentials; an entry's last step adds its
-    # student's product and ends the entry. Where the walk has no next step, the last even
-    # one runs again, unread (its tiles stay in the ring: the producer loads no more).
+    # The second walk, a step per (entry, chunk), two steps a loop (_teacher_pair); an
+    # entry's last step ends the entry. Where the walk has no next step, the last even one
+    # runs again, unread (its tiles stay in the ring: the producer loads no more).
     CHUNKS: gl.constexpr = q_smem.type.shape[0]
     s_layout: gl.constexpr = mma_layout(HEADS_PER_CHUNK * TOKENS, dtype)  # [64 keys, 64]
     cross = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)  # t (log t - z) per slot
@@ -314,26 +357,18 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     steps = count * CHUNKS  # even: CHUNKS is
     if steps > 0:
         spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
-        even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF)
-        odd = spare
+        even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF, True)
         logits = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-        teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
+        products = (even, spare, logits, gl.zeros([HALF_N, TOKENS], gl.float32, t_layout))
         for pair in range(0, steps, 2):
-            done = warpgroup_mma_wait(0, deps=(even,))
             entry = pair // CHUNKS
             stage = (first_walk + entry) % NUM_STAGES
             block, word = _entry_words(entry, row_blocks, query_masks, HAS_QUERY_MASKS)
-            odd = _issue_chunk(pair + 1, first_walk, k_smem, q_smem, ready, odd, HALF)
-            # The student's product, read at the entry's last chunk (with 4 chunks also
-            # issued at the second, unread: an async product cannot be issued conditionally).
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
-            logits = _student(kp_keys, qp_smem, logits, True)
-            teacher += _chunk_teacher(done, pair % CHUNKS, lse_smem, qk_scale_log2, t_layout)
-            odd, logits = warpgroup_mma_wait(0, deps=(odd, logits))
-            even = _issue_chunk(gl.minimum(pair + 2, steps - 2), first_walk, k_smem, q_smem,
-                                ready, done, HALF)  # fmt: skip
-            teacher += _chunk_teacher(odd, (pair + 1) % CHUNKS, lse_smem, qk_scale_log2,
-                                      t_layout)  # fmt: skip
+            tiles = (k_smem, q_smem, ready, kp_keys, qp_smem, lse_smem)
+            products = _teacher_pair(pair, steps, first_walk, tiles, products, 0, qk_scale_log2,
+                                     HALF, True)  # fmt: skip
+            even, odd, logits, teacher = products
             if (pair + 1) % CHUNKS == CHUNKS - 1:
                 visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
                 logits = gl.where(visible, logits * proxy_scale, float("-inf"))
@@ -344,7 +379,8 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
                 sums = _add_sums(sums, logits, teacher, GRAD)
                 mbarrier.arrive(empty.index(stage))
                 teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-        warpgroup_mma_wait(0, deps=(even,))
+            products = (even, odd, logits, teacher)
+        warpgroup_mma_wait(0, deps=(products[0],))
     cross, teacher_sum, running_max, running_sum = sums
     token_cross = gl.sum(cross, axis=0)  # [TOKENS]
     token_teacher = gl.sum(teacher_sum, axis=0)
@@ -652,21 +688,6 @@ def _dk_producer(descriptors, shared, walk, lse_values):
 
 
 @gluon.jit
-def _issue_queries(step, first_position, k_keys, q_smem, ready, acc):
-    """The async product S [64 keys, 64] of the walk's step `step`: the consumer's keys
-    against chunk step % CHUNKS of entry step // CHUNKS's query rows, into acc's registers
-    (its values are not read); at an entry's first chunk, once the entry has landed."""
-    NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
-    position = first_position + step // CHUNKS
-    stage = position % NUM_STAGES
-    if step % CHUNKS == 0:
-        mbarrier.wait(ready.index(stage), (position // NUM_STAGES) & 1)
-    queries = q_smem.index(stage * CHUNKS + step % CHUNKS)  # [64, D]
-    return warpgroup_mma(k_keys, queries.permute((1, 0)), acc, use_acc=False, is_async=True)
-
-
-@gluon.jit
 def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
                  HAS_QUERY_MASKS: gl.constexpr):  # fmt: skip
     """One warpgroup's 64 keys of the program's kv block: per proxy head, the walk over the
@@ -691,7 +712,6 @@ def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
         operand_index=0, parent=grad_layout, k_width=32 // dtype.primitive_bitwidth
     )  # fmt: skip
     keys = HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, t_layout))  # [64]
-    k_keys = k_smem.slice(HALF * HALF_N, HALF_N)  # [64, D]
     kp_keys = kp_smem.slice(HALF * HALF_N, HALF_N)  # [64, D_p]
     coefficient = gl.load(grad_scale)
     grad_k = gl.zeros([HALF_N, PROXY_DIM], gl.float32, grad_layout)
@@ -700,30 +720,24 @@ def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
     for index in range(heads):
         start, count = _column(columns, batch, first_head + index, block)
         mbarrier.wait(k_ready, index & 1)
-        # As the rows kernel's walk: a step per (entry, chunk), two a loop; where the walk
-        # has no next step the last even one runs again, unread, and completes before the
-        # entry's slot is released.
+        # As the rows kernel's walk: a step per (entry, chunk), two a loop (_teacher_pair);
+        # the gradient's wait at an entry's end also waits for a product run again past the
+        # walk's end, before the slot it reads is released.
         steps = count * CHUNKS  # even: CHUNKS is
         if steps > 0:
             spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
-            even = _issue_queries(0, position, k_keys, q_smem, ready, spare)
-            odd = spare
+            even = _issue_chunk(0, position, k_smem, q_smem, ready, spare, HALF, False)
             logits = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-            teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
+            products = (even, spare, logits, gl.zeros([HALF_N, TOKENS], gl.float32, t_layout))
             for pair in range(0, steps, 2):
-                done = warpgroup_mma_wait(0, deps=(even,))
                 entry = pair // CHUNKS
                 stage = (position + entry) % NUM_STAGES
                 query_block, word = _entry_words(start + entry, t_col_indices, query_masks,
                                                  HAS_QUERY_MASKS)  # fmt: skip
-                odd = _issue_queries(pair + 1, position, k_keys, q_smem, ready, odd)
-                logits = _student(kp_keys, qp_smem.index(stage), logits, True)
-                chunk = stage * CHUNKS + pair % CHUNKS
-                teacher += _chunk_teacher(done, chunk, lse_smem, qk_scale_log2, t_layout)
-                odd, logits = warpgroup_mma_wait(0, deps=(odd, logits))
-                even = _issue_queries(gl.minimum(pair + 2, steps - 2), position, k_keys, q_smem,
-                                      ready, done)  # fmt: skip
-                teacher += _chunk_teacher(odd, chunk + 1, lse_smem, qk_scale_log2, t_layout)
+                tiles = (k_smem, q_smem, ready, kp_keys, qp_smem.index(stage), lse_smem)
+                products = _teacher_pair(pair, steps, position, tiles, products,
+                                         stage * CHUNKS, qk_scale_log2, HALF, False)  # fmt: skip
+                even, odd, logits, teacher = products
                 if (pair + 1) % CHUNKS == CHUNKS - 1:
                     positions = query_block * TOKENS + gl.arange(0, TOKENS, layout=token_layout)
                     visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
@@ -736,7 +750,8 @@ def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
                     grad_k = warpgroup_mma_wait(0, deps=(grad_k,))
                     mbarrier.arrive(empty.index(stage))
                     teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-            warpgroup_mma_wait(0, deps=(even,))
+                products = (even, odd, logits, teacher)
+            warpgroup_mma_wait(0, deps=(products[0],))
         mbarrier.arrive(k_empty)
         position += count
     grad_k_proxy, stride_gk_b, stride_gk_s, stride_gk_h, heads_keys = output
