@@ -670,7 +670,7 @@ def _dk_producer(descriptors, shared, walk, lse_values):
                 chunk_lse = gl.load(entry_lse + (chunk * HEADS_PER_CHUNK * stride_lse_h + offsets),
                                     mask=in_sequence, other=0.0)  # fmt: skip
                 lse_smem.index(stage * CHUNKS + chunk).store(chunk_lse * 1.4426950408889634)
-            head_lse = gl.load(lse_proxy + head * seq_len + first + tokens,
+            head_lse = gl.load(lse_proxy + head.to(gl.int64) * seq_len + first + tokens,
                                mask=first + tokens < seq_len, other=0.0)  # fmt: skip
             lsep_smem.index(stage).store(head_lse)
             gl.thread_barrier()  # every lane's stores before the arrival that publishes them
