@@ -575,6 +575,8 @@ class BlockLayout:
         A grid of more than max_pixels blocks a side is binned: a pixel holding any active
         block is coloured, darker the more of its blocks are active. Needs matplotlib
         (pip install 'flash-msa[plot]')."""
+        _check_positive_int("max_pixels", max_pixels)
+        _check_positive_int("max_heads", max_heads)
         try:
             import matplotlib
         except ImportError as error:

@@ -10,7 +10,7 @@ from torch import nn
 
 from flash_msa import distributed, patterns
 from flash_msa.distributed.plan import check_balance
-from flash_msa.layout import BlockLayout, check_block_size
+from flash_msa.layout import BlockLayout, check_block_size, checked_device
 from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import check_score_dtype
 from flash_msa.msa.interface import check_granularity, check_msa_blocks, default_q_block
@@ -60,6 +60,11 @@ class _ProjectedAttention(nn.Module):
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)"
+            )
+        device = checked_device(device)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                f"dtype must be None or a floating torch.dtype (the weights'), got {dtype!r}"
             )
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads

@@ -314,6 +314,13 @@ def test_plot_labels_axes_in_tokens_and_is_large(tmp_path, monkeypatch):
     assert left < 0 < 4096 < right and top < 0 < 4096 < bottom
 
 
+@pytest.mark.parametrize("option", ["max_pixels", "max_heads"])
+@pytest.mark.parametrize("value", [0, 1.5])
+def test_plot_rejects_sizes_that_are_not_positive_ints(tmp_path, option, value):
+    with pytest.raises(ValueError, match=f"{option} must be a positive int, got {value}"):
+        patterns.causal(256).plot(str(tmp_path / "causal.png"), **{option: value})
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'flash-msa\[plot\]'"):

@@ -113,6 +113,23 @@ def test_layers_refuse_inputs_in_another_dtype_than_their_weights(x):
         assert layers[0](x.float().bfloat16()).shape == (1, 64, 32)
 
 
+@pytest.mark.parametrize("layer_class", [FlashSparseAttention, MSAAttention])
+@pytest.mark.parametrize(
+    "factory, error, match",
+    [
+        (dict(device="cuda:63"), ValueError, r"device 'cuda:63': this machine has \d+ CUDA device"),
+        (dict(device="gpu"), ValueError, "device must name a torch device such as 'cpu'"),
+        (dict(dtype=torch.int64), TypeError,
+         "dtype must be None or a floating torch.dtype .*, got torch.int64"),
+        (dict(dtype="float32"), TypeError, "dtype must be None or .*, got 'float32'"),
+    ],
+)
+def test_layers_name_a_bad_device_or_dtype(layer_class, factory, error, match):
+    options = TINY if layer_class is MSAAttention else {}
+    with pytest.raises(error, match=match):
+        layer_class(32, 4, **options, **factory)
+
+
 @pytest.mark.parametrize("layer_class", ["FlashSparseAttention", "MSAAttention"])
 def test_layers_take_an_empty_batch_and_refuse_what_is_not_a_sequence(layer_class):
     """B = 0 gives empty outputs; a sequence of no token and an input that is not a tensor

@@ -196,6 +196,13 @@ def _token_selection_layout(selected: torch.Tensor, *, q_block: int, kv_block: i
     return MsaSelection(layout, None if q_block == 1 else query_masks)
 
 
+def kept_blocks(top_k: int, seq_len: int, kv_block: int) -> int:
+    """The blocks a selection keeps per token (or query block) and proxy head: top_k, at most
+    the kv blocks of seq_len tokens. No token sees more, so a larger top_k keeps them all, and
+    the selection's outputs, sized by what it keeps, stay within the sequence's."""
+    return min(top_k, math.ceil(seq_len / kv_block))
+
+
 def kl_q_block(q_block: int) -> int:
     """The query tile of the KL's layout under granularity "token": tiles of 2 to 8 tokens
     are merged to 16 (no kv_block is smaller), whose union of choices the KL walks faster than two
@@ -265,6 +272,7 @@ def select(
     q_block 2 to 8, where the KL walks tiles of kl_q_block tokens; both hold exactly each
     token's choices."""
     seq_len, device = q_proxy.shape[1], q_proxy.device
+    top_k = kept_blocks(top_k, seq_len, kv_block)
     with torch.no_grad():
         if warmup or q_proxy.shape[0] == 0:  # batch 0: nothing to score, empty outputs
             # Dense blocks: a row per token would only multiply the entries.

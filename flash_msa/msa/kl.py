@@ -28,10 +28,14 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from flash_msa import _env
-from flash_msa.layout import BlockLayout
+from flash_msa.layout import BlockLayout, check_block_size
 from flash_msa.msa import kl_gluon
 from flash_msa.msa.checks import check_tensors
-from flash_msa.ops.interface import check_query_masks, check_softmax_scale
+from flash_msa.ops.interface import (
+    check_layout_device,
+    check_query_masks,
+    check_softmax_scale,
+)
 from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton.common import query_mask_arguments, strides
 from flash_msa.patterns.topk import check_query_blocks
@@ -593,6 +597,9 @@ def _check_kl_inputs(q_proxy, k_proxy, q, k, lse, layout, softmax_scale, proxy_s
         )
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_layout_device(layout, q.device)
+    # The kernels' products over a kv block take at least 16 keys (tl.dot's reduction).
+    check_block_size("layout.kv_block", layout.kv_block)
     if (layout.seq_len_q, layout.seq_len_kv) != (seq_len_q, seq_len):
         raise ValueError(
             f"layout must have seq_len_q = {seq_len_q} (q_proxy's rows) and seq_len_kv = "

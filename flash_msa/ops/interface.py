@@ -69,10 +69,7 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
             "build one with flash_msa.patterns"
         )
     layout.check_unchanged()
-    if layout.device != q.device:
-        raise ValueError(
-            f"layout is on {layout.device} but q on {q.device}; use layout.to(q.device)"
-        )
+    check_layout_device(layout, q.device)
     batch, seq_len_q, heads_q, _ = q.shape
     seq_len_kv, heads_kv = k.shape[1], k.shape[2]
     if (layout.seq_len_q, layout.seq_len_kv) != (seq_len_q, seq_len_kv):
@@ -81,6 +78,12 @@ def _check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> None
             f"{seq_len_q} and k, v have {seq_len_kv} tokens; build the layout for these lengths"
         )
     check_layout_heads(layout, batch, heads_q, heads_kv)
+
+
+def check_layout_device(layout: BlockLayout, device: torch.device) -> None:
+    """The layout's tensors live on q's device, where the kernels read them."""
+    if layout.device != device:
+        raise ValueError(f"layout is on {layout.device} but q on {device}; use layout.to(q.device)")
 
 
 def check_layout_heads(layout: BlockLayout, batch: int, heads_q: int, heads_kv: int) -> None:

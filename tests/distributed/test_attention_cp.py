@@ -373,3 +373,50 @@ def test_context_parallel_matches_one_process(world_size, tmp_path):
         mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), results), nprocs=world_size)
         failures = [line for rank in range(world_size) for line in results.get(rank, ["died"])]
     assert not failures, "\n".join(failures)
+
+
+# ---- msa_func_cp in a group of this process alone -----------------------------------------
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """The default process group of this process alone (gloo)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)  # fmt: skip
+    yield
+    dist.destroy_process_group()
+
+
+def _msa_tensors():
+    """q_proxy, k_proxy, q, k, v of SEQ_LEN tokens: 2 proxy heads over 4 query heads."""
+    generator = torch.Generator().manual_seed(6)
+    return [
+        torch.randn(1, SEQ_LEN, heads, 16, generator=generator).to(DEVICE)
+        for heads in (2, 1, 4, 1, 1)
+    ]
+
+
+def test_msa_warmup_refuses_a_plan_without_every_causal_block(one_rank_group):
+    """Warm-up attends over the plan's layout: one of a window (a plan msa_func_cp is not
+    built for) would silently drop the causal blocks outside it."""
+    tensors = _msa_tensors()
+    window = cp_plan(window_sinks(SEQ_LEN, 40, 16, block_size=32, device=DEVICE), 1)
+    with pytest.raises(ValueError, match=r"warmup attends over every causal block of the plan's "
+                                         r"layout, but its row 4 \(layout head 0\) lacks some of "
+                                         r"kv blocks 0\.\.4"):  # fmt: skip
+        msa_func_cp(*tensors, window, kv_block=32, warmup=True)
+    causal = cp_plan(patterns.causal(SEQ_LEN, block_size=32, device=DEVICE), 1)
+    out, kl = msa_func_cp(*tensors, causal, kv_block=32, warmup=True)
+    expected_out, expected_kl = msa_func(*tensors, q_block=32, kv_block=32, warmup=True)
+    assert relative_error(out, expected_out) < 1e-5 and relative_error(kl, expected_kl) < 1e-5
+
+
+def test_msa_top_k_past_the_kv_blocks_keeps_them_all(one_rank_group):
+    """A top_k beyond the whole sequence's kv blocks (here beyond int64) selects what top_k
+    equal to their count selects."""
+    tensors = _msa_tensors()
+    plan = cp_plan(patterns.causal(SEQ_LEN, block_size=32, device=DEVICE), 1)
+    out, kl = msa_func_cp(*tensors, plan, top_k=2**70, kv_block=32)
+    expected_out, expected_kl = msa_func_cp(*tensors, plan, top_k=5, kv_block=32)  # 5 blocks
+    assert torch.equal(out, expected_out) and torch.equal(kl, expected_kl)

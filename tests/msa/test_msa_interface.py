@@ -246,6 +246,19 @@ def test_msa_func_rejects_bad_options(options, match):
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_top_k_past_the_kv_blocks_keeps_them_all(granularity):
+    """A top_k beyond the sequence's kv blocks (here beyond int64) selects what top_k equal to
+    their count selects: every visible block."""
+    tensors = [t.detach() for t in _inputs(1, 64, (4, 2, 2, 1), 16, 16)]
+    options = dict(q_block=16, kv_block=16, granularity=granularity, return_selection=True)
+    out, kl_loss, selection = msa_func(*tensors, top_k=2**70, **options)
+    expected_out, expected_kl, expected = msa_func(*tensors, top_k=4, **options)  # 4 blocks
+    assert torch.equal(selection.layout.row_offsets, expected.layout.row_offsets)
+    assert torch.equal(selection.layout.col_indices, expected.layout.col_indices)
+    assert torch.equal(out, expected_out) and torch.equal(kl_loss, expected_kl)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_fp8_scores_run_the_step_over_the_same_selection(granularity):
     """score_dtype FP8 on proxies it holds exactly: the same selection, out and kl_loss."""
     q_proxy, k_proxy = fp8_exact_proxies(1, 160, 2, 1, 16, 32, seed=3, device=DEVICE)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from flash_msa import block_sparse_attn_func, patterns
+from flash_msa import BlockLayout, block_sparse_attn_func, patterns
 from flash_msa.msa import kl, proxy_kl_loss
 from flash_msa.reference import layout_mask
 from flash_msa.sequences import document_ids_of
@@ -243,6 +243,12 @@ def test_proxy_kl_loss_rejects_bad_options():
                                                    device=DEVICE)},
          ValueError, "layout must have seq_len_q"),
         (lambda a: {**a, "layout": None}, TypeError, "layout must be a BlockLayout"),
+        (lambda a: {**a, "layout": a["layout"].to("meta")}, ValueError,
+         f"layout is on meta but q on {DEVICE}"),
+        (lambda a: {**a, "layout": BlockLayout.from_keys(
+            torch.arange(math.ceil(SEQ_LEN / Q_BLOCK) * math.ceil(SEQ_LEN / 8), device=DEVICE),
+            seq_len_q=SEQ_LEN, seq_len_kv=SEQ_LEN, q_block=Q_BLOCK, kv_block=8)},
+         ValueError, r"layout.kv_block must be one of \(16, 32, 64, 128\), got 8"),
         (lambda a: {**a, "document_ids": torch.zeros(BATCH, SEQ_LEN, device=DEVICE)}, TypeError,
          "document_ids must be int32 or int64"),
     ],

@@ -311,6 +311,7 @@ BUILDERS_WITH_DEVICE = {
         torch.tensor([0, 100, 256], dtype=torch.int32), device=device),
     "from_dense_mask": lambda device: patterns.from_dense_mask(
         torch.ones(2, 2, dtype=torch.bool), seq_len_q=256, device=device),
+    "topk": lambda device: patterns.topk(torch.zeros(2, 2), 1, seq_len_q=256, device=device),
 }  # fmt: skip
 
 
