@@ -232,6 +232,19 @@ def _chunk_teacher(s, chunk, lse_smem, qk_scale_log2, t_layout: gl.constexpr):
 
 
 @gluon.jit
+def _start_walk(first_walk, k_smem, q_smem, ready, t_layout: gl.constexpr, HALF: gl.constexpr,
+                KEYS_IN_RING: gl.constexpr):  # fmt: skip
+    """_teacher_pair's products before a walk's first pair: step 0's S issued, the other
+    tiles zeros (the student's logits and the teacher [64 keys, TOKENS] in t_layout)."""
+    TOKENS: gl.constexpr = t_layout.instr_shape[1]
+    s_layout: gl.constexpr = mma_layout(HEADS_PER_CHUNK * TOKENS, k_smem.dtype)  # [64, 64]
+    spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
+    even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF, KEYS_IN_RING)
+    zeros = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
+    return even, spare, zeros, zeros
+
+
+@gluon.jit
 def _teacher_pair(pair, steps, first_walk, tiles, products, lse_first, qk_scale_log2,
                   HALF: gl.constexpr, KEYS_IN_RING: gl.constexpr):  # fmt: skip
     """Steps pair and pair + 1 of a walk of `steps` (a step per (entry, chunk); CHUNKS even,
@@ -350,16 +363,12 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     # entry's last step ends the entry. Where the walk has no next step, the last even one
     # runs again, unread (its tiles stay in the ring: the producer loads no more).
     CHUNKS: gl.constexpr = q_smem.type.shape[0]
-    s_layout: gl.constexpr = mma_layout(HEADS_PER_CHUNK * TOKENS, dtype)  # [64 keys, 64]
     cross = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)  # t (log t - z) per slot
     teacher_sum = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
     sums = (cross, teacher_sum, running_max, running_sum)
     steps = count * CHUNKS  # even: CHUNKS is
     if steps > 0:
-        spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
-        even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF, True)
-        logits = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-        products = (even, spare, logits, gl.zeros([HALF_N, TOKENS], gl.float32, t_layout))
+        products = _start_walk(first_walk, k_smem, q_smem, ready, t_layout, HALF, True)
         for pair in range(0, steps, 2):
             entry = pair // CHUNKS
             stage = (first_walk + entry) % NUM_STAGES
@@ -706,7 +715,6 @@ def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
     CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
     t_layout: gl.constexpr = mma_layout(TOKENS, dtype)  # [64 keys, TOKENS]
     token_layout: gl.constexpr = gl.SliceLayout(0, t_layout)
-    s_layout: gl.constexpr = mma_layout(HEADS_PER_CHUNK * TOKENS, dtype)  # [64 keys, 64]
     grad_layout: gl.constexpr = mma_layout(PROXY_DIM, dtype)  # [64 keys, D_p]
     operand_layout: gl.constexpr = gl.DotOperandLayout(
         operand_index=0, parent=grad_layout, k_width=32 // dtype.primitive_bitwidth
@@ -725,10 +733,7 @@ def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
         # walk's end, before the slot it reads is released.
         steps = count * CHUNKS  # even: CHUNKS is
         if steps > 0:
-            spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
-            even = _issue_chunk(0, position, k_smem, q_smem, ready, spare, HALF, False)
-            logits = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-            products = (even, spare, logits, gl.zeros([HALF_N, TOKENS], gl.float32, t_layout))
+            products = _start_walk(position, k_smem, q_smem, ready, t_layout, HALF, False)
             for pair in range(0, steps, 2):
                 entry = pair // CHUNKS
                 stage = (position + entry) % NUM_STAGES
