@@ -589,12 +589,24 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
     )  # fmt: skip
 
 
+def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> dict:
+    """ops.gluon.codegen.compile_kernel's report of `kernel` for sm_90a, plus
+    "exponentials_under_products": the most MUFU.EX2 between a product's issue and the next
+    MMA wait (0 if they do not overlap)."""
+    from flash_msa.ops.gluon import codegen
+
+    report = codegen.compile_kernel(kernel, types, constexprs, workdir, name)
+    with open(report["sass"]) as handle:
+        report["exponentials_under_products"] = codegen.instructions_under_mma(
+            handle.read(), "MUFU.EX2"
+        )
+    return report
+
+
 def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
                      proxy_dim: int = 128, grad: bool = True, chunks: int = 4) -> dict:  # fmt: skip
     """Compile the kernel for sm_90a without a GPU (with query masks; `chunks` x 4 query heads
-    a proxy head) and report as ops.gluon.codegen.compile_forward does, plus
-    "exponentials_under_products": the most MUFU.EX2 between a product's issue and the next
-    MMA wait (0 if they do not overlap)."""
+    a proxy head) and report as _compile does."""
     from flash_msa.ops.gluon import codegen
 
     pointer = f"*{dtype}"
@@ -609,12 +621,7 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
     constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunks, HAS_QUERY_MASKS=True,
                       GRAD=grad, NUM_STAGES=NUM_STAGES)  # fmt: skip
     name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}{'_grad' if grad else ''}"
-    report = codegen.compile_kernel(_kl_rows_kernel, types, constexprs, workdir, name)
-    with open(report["sass"]) as handle:
-        report["exponentials_under_products"] = codegen.instructions_under_mma(
-            handle.read(), "MUFU.EX2"
-        )
-    return report
+    return _compile(_kl_rows_kernel, types, constexprs, workdir, name)
 
 
 # ---- d kl_loss / d k_proxy ---------------------------------------------------------------
@@ -877,7 +884,7 @@ def kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets, t_col_ind
 def compile_dk_proxy_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
                               proxy_dim: int = 128, chunks: int = 4) -> dict:  # fmt: skip
     """Compile the dk_proxy kernel for sm_90a without a GPU (with query masks; `chunks` x 4
-    query heads a proxy head) and report as compile_for_sm90 does."""
+    query heads a proxy head) and report as _compile does."""
     from flash_msa.ops.gluon import codegen
 
     types = dict(
@@ -891,9 +898,4 @@ def compile_dk_proxy_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int =
     )  # fmt: skip
     constexprs = dict(CHUNKS=chunks, HAS_QUERY_MASKS=True, NUM_STAGES=DK_NUM_STAGES)
     name = f"kl_dk_proxy_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}"
-    report = codegen.compile_kernel(_kl_dk_proxy_kernel, types, constexprs, workdir, name)
-    with open(report["sass"]) as handle:
-        report["exponentials_under_products"] = codegen.instructions_under_mma(
-            handle.read(), "MUFU.EX2"
-        )
-    return report
+    return _compile(_kl_dk_proxy_kernel, types, constexprs, workdir, name)
