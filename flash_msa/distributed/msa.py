@@ -24,7 +24,6 @@ from flash_msa.msa.interface import MsaSelection, check_msa_inputs, kept_blocks
 from flash_msa.msa.kl import checked_kl_loss
 from flash_msa.msa.token_selection import select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func
-from flash_msa.patterns._build import diagonals
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 
@@ -42,25 +41,14 @@ def _check_plan(plan, q_block: int, kv_block: int) -> None:
 
 
 def _check_warmup_plan(plan: CpPlan) -> None:
-    """Warm-up attends over the plan's layout: each row b must hold every causal kv block,
-    0 .. d(b) (d(b) the block of b's last query), as patterns.causal's rows do. A row's
-    columns are ascending and unique, so it holds them when its (d(b) + 1)-th column is d(b)."""
-    layout = plan.layout
-    rows = torch.arange(layout.num_q_blocks, device=layout.device)
-    diagonal = diagonals(rows, dict(seq_len_q=layout.seq_len_q, q_block=layout.q_block,
-                                    kv_block=layout.kv_block))  # fmt: skip  # [nq]
-    starts = layout.row_offsets[:, :-1].long()  # [L, nq]
-    holds = layout.row_offsets[:, 1:] - starts > diagonal  # rows of d(b) + 1 columns or more
-    if layout.nnz:
-        entry = (starts + diagonal).clamp(max=layout.nnz - 1)
-        holds &= layout.col_indices[entry] == diagonal
-    if not bool(holds.all()):
-        head, row = (~holds).nonzero()[0].tolist()
+    """Warm-up attends over the plan's layout: each row must hold every causal kv block."""
+    gap = plan.causal_gap()
+    if gap is not None:
+        head, row, diagonal = gap
         raise ValueError(
             f"warmup attends over every causal block of the plan's layout, but its row {row} "
-            f"(layout head {head}) lacks some of kv blocks 0..{int(diagonal[row])}: build the "
-            f"plan from patterns.causal(S, q_block={layout.q_block}, "
-            f"kv_block={layout.kv_block})"
+            f"(layout head {head}) lacks some of kv blocks 0..{diagonal}: build the plan from "
+            f"patterns.causal(S, q_block={plan.layout.q_block}, kv_block={plan.layout.kv_block})"
         )
 
 
