@@ -367,7 +367,10 @@ def _worker(rank, world_size, init_file, results):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_context_parallel_matches_one_process(world_size, tmp_path):
+def test_context_parallel_matches_one_process(world_size, tmp_path, monkeypatch):
+    # The ranks are gloo processes on the CPU: their Triton kernels run in the interpreter,
+    # on a machine with a GPU too (the spawned processes import flash_msa with it set).
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), results), nprocs=world_size)
