@@ -5,10 +5,12 @@ under the exponentials.
 
 A program owns one query block of TOKENS tokens and one proxy head, and walks the block's
 CSR row (the blocks any of its tokens selected). The teacher needs every query head of the
-proxy head's group: the program keeps them in shared memory as CHUNKS tiles [64, D] of
-HEADS_PER_CHUNK heads x TOKENS tokens (row = head * TOKENS + token), loaded once. Keys are
-the rows of every product, so that a product [64 keys, 64] holds each of a thread's tokens
-for all the chunk's heads: the sum over heads that makes the teacher is a thread's own adds.
+proxy head's group: the program keeps them in shared memory as CHUNKS tiles [CHUNK_HEADS x
+TOKENS, D] of CHUNK_HEADS heads x TOKENS tokens (row = head * TOKENS + token), loaded once
+(chunk_heads: 4 heads, or 2 for a group of 4, so that the walk has an even number of
+chunks). Keys are the rows of every product, so that a product [64 keys, CHUNK_HEADS x
+TOKENS] holds each of a thread's tokens for all the chunk's heads: the sum over heads that
+makes the teacher is a thread's own adds.
 Three partitions of warps share the program (gl.warp_specialize):
 
 - a producer warp issues TMA loads of the row's K and k_proxy tiles [128, D] into a
@@ -31,7 +33,7 @@ head and walks, for each proxy head reading that key head, the query blocks that
 the block (the transposed layout's column), keeping its K and k_proxy tiles in shared memory
 and d k_proxy [64 keys, D_p] per consumer in registers, so no program writes another's rows
 (no atomics). The producer warp streams each entry's query side into a 2-deep ring: the
-group's query rows by TMA as CHUNKS boxes [HEADS_PER_CHUNK heads, TOKENS tokens, D] of a
+group's query rows by TMA as CHUNKS boxes [CHUNK_HEADS heads, TOKENS tokens, D] of a
 [B, H_q, S, D] view (head-major rows, as the rows kernel's chunks), the q_proxy rows, and the
 group's lse and the head's lse_proxy by plain loads. The consumers run the teacher's chunks
 as the rows kernel does, and at an entry's end (s - t) [64 keys, TOKENS], from registers as
@@ -39,7 +41,7 @@ the A operand, times the entry's q_proxy rows into d k_proxy.
 
 Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than TOKENS,
 kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
-than 8 or 16 a proxy head take the Triton kernels (supports says which calls these
+than 4, 8 or 16 a proxy head take the Triton kernels (supports says which calls these
 take).
 """
 
@@ -61,11 +63,11 @@ from flash_msa import _env
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 TOKENS = 16  # a program's query tokens: the KL layout's query block under granularity "token"
-HEADS_PER_CHUNK: gl.constexpr = gl.constexpr(4)  # query heads of one teacher product
+TILE_TOKENS: gl.constexpr = gl.constexpr(TOKENS)  # the same, for the kernels
 HALF_N: gl.constexpr = gl.constexpr(64)  # keys of one consumer warpgroup
 KV_BLOCK = 128
 HEAD_DIMS = (64, 128)
-GROUPS = (8, 16)  # query heads a proxy head: 2 or 4 chunks (the walk takes two a step)
+GROUPS = (4, 8, 16)  # query heads a proxy head: 2 or 4 chunks (the walk takes two a step)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 NUM_STAGES = 2  # K and k_proxy tiles in flight
 DK_NUM_STAGES = 2  # dk_proxy: entries in flight (each the group's query rows, [16 x G, D])
@@ -82,8 +84,8 @@ PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 def supports(q: torch.Tensor, q_proxy: torch.Tensor, q_block: int, kv_block: int,
              documents: bool, q_blocks: bool) -> bool:  # fmt: skip
     """Whether these kernels take a proxy_kl_loss call: an sm_90 GPU, fp16 / bf16 inputs of
-    D and D_p 64 or 128, query blocks of TOKENS and kv blocks of 128, 8 or 16 query heads a
-    proxy head, no documents and no q_blocks, B * S below 2^31 (TMA coordinates)."""
+    D and D_p 64 or 128, query blocks of TOKENS and kv blocks of 128, 4, 8 or 16 query heads
+    a proxy head, no documents and no q_blocks, B * S below 2^31 (TMA coordinates)."""
     batch, seq_len, heads_q, head_dim = q.shape
     heads_proxy = q_proxy.shape[2]
     return (
@@ -94,6 +96,13 @@ def supports(q: torch.Tensor, q_proxy: torch.Tensor, q_block: int, kv_block: int
         and heads_q % heads_proxy == 0 and heads_q // heads_proxy in GROUPS
         and not documents and not q_blocks and batch * seq_len < 2**31
     )  # fmt: skip
+
+
+def chunk_heads(group: int) -> int:
+    """Query heads of one teacher product for `group` query heads a proxy head (one of
+    GROUPS): 4, or 2 for a group of 4, so that each entry's walk takes an even number of
+    chunks (_teacher_pair takes two a step)."""
+    return min(4, group // 2)
 
 
 @gluon.jit
@@ -223,11 +232,12 @@ def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, HALF: gl.constexp
 def _chunk_teacher(s, chunk, lse_smem, qk_scale_log2, t_layout: gl.constexpr):
     """fp32 [64 keys, TOKENS]: the sum over the chunk's query heads of their probabilities
     exp2(S scale log2(e) - lse log2(e)) (lse_smem holds lse log2(e) per chunk row), from the
-    chunk's product s [64 keys, HEADS_PER_CHUNK x TOKENS]: each thread's own adds."""
-    TOKENS: gl.constexpr = s.type.shape[1] // HEADS_PER_CHUNK
-    lse = lse_smem.index(chunk).load(gl.SliceLayout(0, s.type.layout))  # [64]
-    probs = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse, 0))  # [64 keys, 64]
-    heads = gl.reshape(probs, [HALF_N, HEADS_PER_CHUNK, TOKENS])
+    chunk's product s [64 keys, CHUNK_HEADS x TOKENS]: each thread's own adds."""
+    TOKENS: gl.constexpr = t_layout.instr_shape[1]
+    CHUNK_HEADS: gl.constexpr = s.type.shape[1] // TOKENS
+    lse = lse_smem.index(chunk).load(gl.SliceLayout(0, s.type.layout))  # [CHUNK_HEADS x TOKENS]
+    probs = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse, 0))  # [64 keys, CHUNK_HEADS x TOKENS]
+    heads = gl.reshape(probs, [HALF_N, CHUNK_HEADS, TOKENS])
     return gl.convert_layout(gl.sum(heads, axis=1), t_layout)
 
 
@@ -237,8 +247,9 @@ def _start_walk(first_walk, k_smem, q_smem, ready, t_layout: gl.constexpr, HALF:
     """_teacher_pair's products before a walk's first pair: step 0's S issued, the other
     tiles zeros (the student's logits and the teacher [64 keys, TOKENS] in t_layout)."""
     TOKENS: gl.constexpr = t_layout.instr_shape[1]
-    s_layout: gl.constexpr = mma_layout(HEADS_PER_CHUNK * TOKENS, k_smem.dtype)  # [64, 64]
-    spare = gl.zeros([HALF_N, HEADS_PER_CHUNK * TOKENS], gl.float32, s_layout)
+    CHUNK_ROWS: gl.constexpr = q_smem.type.shape[1]  # CHUNK_HEADS x TOKENS
+    s_layout: gl.constexpr = mma_layout(CHUNK_ROWS, k_smem.dtype)  # [64 keys, CHUNK_ROWS]
+    spare = gl.zeros([HALF_N, CHUNK_ROWS], gl.float32, s_layout)
     even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF, KEYS_IN_RING)
     zeros = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
     return even, spare, zeros, zeros
@@ -440,7 +451,8 @@ def _kl_rows_kernel(
     stride_lse_h, seq_len, heads_proxy, proxy_group, kv_group, group, layout_batch_stride,
     heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
     HEAD_DIM: gl.constexpr, PROXY_DIM: gl.constexpr, CHUNKS: gl.constexpr,
-    HAS_QUERY_MASKS: gl.constexpr, GRAD: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CHUNK_HEADS: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, GRAD: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
     """Grid (num_q_blocks, B * H_p): one program per (query block of TOKENS tokens, batch x
     proxy head), as kl._kl_rows_kernel's, writing the same lse_proxy and kl_rows [B, H_p, S]
@@ -449,8 +461,8 @@ def _kl_rows_kernel(
     [128, D_p]; query_masks: int64 [nnz] aligned with col_indices with HAS_QUERY_MASKS."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = k_desc.dtype
-    TOKENS: gl.constexpr = 64 // HEADS_PER_CHUNK
-    CHUNK_ROWS: gl.constexpr = HEADS_PER_CHUNK * TOKENS
+    TOKENS: gl.constexpr = TILE_TOKENS
+    CHUNK_ROWS: gl.constexpr = CHUNK_HEADS * TOKENS
     block = gl.program_id(0)
     batch = gl.program_id(1) // heads_proxy
     head = gl.program_id(1) % heads_proxy
@@ -466,14 +478,14 @@ def _kl_rows_kernel(
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [CHUNKS, CHUNK_ROWS], flat)
     load_layout: gl.constexpr = row_layout(HEAD_DIM)  # [64, D] over 4 warps
-    rows = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, load_layout))  # [64]
+    rows = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, load_layout))  # [CHUNK_ROWS]
     tokens = first + rows % TOKENS
     in_sequence = tokens < seq_len
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
     q_base = q + batch.to(gl.int64) * stride_q_b + tokens.to(gl.int64) * stride_q_s
     lse_base = lse + batch.to(gl.int64) * stride_lse_b + tokens
     for chunk in gl.static_range(CHUNKS):
-        heads_q = head * group + chunk * HEADS_PER_CHUNK + rows // TOKENS  # [64]
+        heads_q = head * group + chunk * CHUNK_HEADS + rows // TOKENS  # [CHUNK_ROWS]
         q_rows = q_base + heads_q.to(gl.int64) * stride_q_h
         q_smem.index(chunk).store(gl.load(gl.expand_dims(q_rows, 1) + gl.expand_dims(dims, 0),
                                           mask=gl.expand_dims(in_sequence, 1), other=0.0))
@@ -569,6 +581,7 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
     heads_q, heads_kv, head_dim = q.shape[2], k.shape[2], q.shape[3]
     with_grad = grad_q_proxy is not None
     has_masks = query_masks is not None
+    group = heads_q // heads_proxy
     _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
         q_proxy=q_proxy, q=q, lse=lse, k_desc=_key_descriptor(k),
         kp_desc=_key_descriptor(k_proxy), row_offsets=row_offsets,
@@ -579,13 +592,13 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
         stride_qp_h=q_proxy.stride(2), stride_q_b=q.stride(0), stride_q_s=q.stride(1),
         stride_q_h=q.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
         seq_len=seq_len, heads_proxy=heads_proxy, proxy_group=heads_proxy // k_proxy.shape[2],
-        kv_group=heads_proxy // heads_kv, group=heads_q // heads_proxy,
+        kv_group=heads_proxy // heads_kv, group=group,
         layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, num_q_blocks=layout.num_q_blocks,
         proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
-        HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=heads_q // heads_proxy // 4,
-        HAS_QUERY_MASKS=has_masks, GRAD=with_grad, NUM_STAGES=NUM_STAGES, num_warps=4,
-        maxnreg=MAX_REGISTERS,
+        HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=group // chunk_heads(group),
+        CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=has_masks, GRAD=with_grad,
+        NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
@@ -604,9 +617,9 @@ def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> 
 
 
 def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
-                     proxy_dim: int = 128, grad: bool = True, chunks: int = 4) -> dict:  # fmt: skip
-    """Compile the kernel for sm_90a without a GPU (with query masks; `chunks` x 4 query heads
-    a proxy head) and report as _compile does."""
+                     proxy_dim: int = 128, grad: bool = True, group: int = 16) -> dict:  # fmt: skip
+    """Compile the kernel for sm_90a without a GPU (with query masks; `group` query heads a
+    proxy head) and report as _compile does."""
     from flash_msa.ops.gluon import codegen
 
     pointer = f"*{dtype}"
@@ -618,9 +631,10 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
         lse_proxy="*fp32", kl_rows="*fp32", grad_q_proxy=pointer, proxy_scale="fp32",
         qk_scale_log2="fp32",
     )  # fmt: skip
-    constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunks, HAS_QUERY_MASKS=True,
-                      GRAD=grad, NUM_STAGES=NUM_STAGES)  # fmt: skip
-    name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}{'_grad' if grad else ''}"
+    constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=group // chunk_heads(group),
+                      CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=True, GRAD=grad,
+                      NUM_STAGES=NUM_STAGES)  # fmt: skip
+    name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}{'_grad' if grad else ''}"
     return _compile(_kl_rows_kernel, types, constexprs, workdir, name)
 
 
@@ -644,7 +658,7 @@ def _dk_producer(descriptors, shared, walk, lse_values):
     """The dk_proxy kernel's producer warp: the program's k_proxy tile; then per proxy head of
     its key head the head's K tile (once the consumers released the one before) and, an
     entry of the column a ring slot, the entry's query side: the group's query rows (CHUNKS
-    TMA boxes of HEADS_PER_CHUNK heads x TOKENS tokens, head-major), the proxy head's q_proxy
+    TMA boxes of CHUNK_HEADS heads x TOKENS tokens, head-major), the proxy head's q_proxy
     rows and, by plain loads, the group's lse (times log2 e) and the head's lse_proxy."""
     k_desc, kp_desc, q_desc, qp_desc = descriptors
     (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty, ready,
@@ -657,8 +671,9 @@ def _dk_producer(descriptors, shared, walk, lse_values):
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     PROXY_DIM: gl.constexpr = kp_desc.block_type.shape[1]
+    CHUNK_HEADS: gl.constexpr = q_desc.block_type.shape[1]
     lane_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # [64] over the warp
-    chunk_rows = gl.arange(0, HEADS_PER_CHUNK * TOKENS, layout=lane_layout)  # h * TOKENS + t
+    chunk_rows = gl.arange(0, CHUNK_HEADS * TOKENS, layout=lane_layout)  # h * TOKENS + t
     row_tokens = chunk_rows % TOKENS
     offsets = (chunk_rows // TOKENS) * stride_lse_h + row_tokens  # [64] in a chunk's heads
     tokens = gl.arange(0, TOKENS, layout=lane_layout)
@@ -683,7 +698,7 @@ def _dk_producer(descriptors, shared, walk, lse_values):
             entry_lse = lse + (head * group).to(gl.int64) * stride_lse_h + first
             in_sequence = first + row_tokens < seq_len  # [64]
             for chunk in gl.static_range(CHUNKS):
-                chunk_lse = gl.load(entry_lse + (chunk * HEADS_PER_CHUNK * stride_lse_h + offsets),
+                chunk_lse = gl.load(entry_lse + (chunk * CHUNK_HEADS * stride_lse_h + offsets),
                                     mask=in_sequence, other=0.0)  # fmt: skip
                 lse_smem.index(stage * CHUNKS + chunk).store(chunk_lse * 1.4426950408889634)
             head_lse = gl.load(lse_proxy + head.to(gl.int64) * seq_len + first + tokens,
@@ -694,7 +709,7 @@ def _dk_producer(descriptors, shared, walk, lse_values):
                             CHUNKS * q_desc.block_type.nbytes + qp_desc.block_type.nbytes)
             for chunk in gl.static_range(CHUNKS):
                 tma.async_copy_global_to_shared(
-                    q_desc, [batch, head * group + chunk * HEADS_PER_CHUNK, first, 0],
+                    q_desc, [batch, head * group + chunk * CHUNK_HEADS, first, 0],
                     ready.index(stage),
                     q_smem.index(stage * CHUNKS + chunk).reshape(q_desc.block_type.shape),
                 )  # fmt: skip
@@ -789,13 +804,14 @@ def _kl_dk_proxy_kernel(
     kl._kl_dk_proxy_kernel's, writing its rows of grad_k_proxy (d kl_loss / d k_proxy times
     grad_scale) and owning them: no atomics. k_desc, kp_desc: TMA views [B * S, H_kv * D] and
     [B * S, H_pk * D_p] in blocks [128, D] and [128, D_p]; q_desc, qp_desc: views
-    [B, H_q, S, D] and [B, H_p, S, D_p] in boxes [1, HEADS_PER_CHUNK, TOKENS, D] and
+    [B, H_q, S, D] and [B, H_p, S, D_p] in boxes [1, CHUNK_HEADS, TOKENS, D] and
     [1, 1, TOKENS, D_p]; query_masks: int64 [nnz] in the transposed layout's order with
     HAS_QUERY_MASKS. lse_proxy: the rows kernel's [B, H_p, S]."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     PROXY_DIM: gl.constexpr = kp_desc.block_type.shape[1]
     TOKENS: gl.constexpr = qp_desc.block_type.shape[2]
+    CHUNK_ROWS: gl.constexpr = q_desc.block_type.shape[1] * TOKENS  # CHUNK_HEADS x TOKENS
     dtype: gl.constexpr = k_desc.dtype
     block = gl.program_id(0)
     heads_keys = heads_proxy // proxy_group
@@ -804,18 +820,13 @@ def _kl_dk_proxy_kernel(
 
     k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], k_desc.layout)
     kp_smem = gl.allocate_shared_memory(dtype, [KEYS, PROXY_DIM], kp_desc.layout)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [HEADS_PER_CHUNK * TOKENS, HEAD_DIM], dtype
-    )  # fmt: skip
-    q_smem = gl.allocate_shared_memory(
-        dtype, [NUM_STAGES * CHUNKS, HEADS_PER_CHUNK * TOKENS, HEAD_DIM], q_layout
-    )  # fmt: skip
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK_ROWS, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * CHUNKS, CHUNK_ROWS, HEAD_DIM],
+                                       q_layout)  # fmt: skip
     qp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TOKENS, PROXY_DIM], dtype)
     qp_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TOKENS, PROXY_DIM], qp_layout)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    lse_smem = gl.allocate_shared_memory(
-        gl.float32, [NUM_STAGES * CHUNKS, HEADS_PER_CHUNK * TOKENS], flat
-    )  # fmt: skip
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * CHUNKS, CHUNK_ROWS], flat)
     lsep_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, TOKENS], flat)
     kp_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -863,39 +874,41 @@ def kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets, t_col_ind
     heads_q, heads_kv = q.shape[2], k.shape[2]
     heads_keys = k_proxy.shape[2]
     has_masks = t_query_masks is not None
+    group = heads_q // heads_proxy
     _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_keys)](
         lse=lse, lse_proxy=lse_proxy, k_desc=_key_descriptor(k), kp_desc=_key_descriptor(k_proxy),
-        q_desc=_head_major_descriptor(q, 4), qp_desc=_head_major_descriptor(q_proxy, 1),
+        q_desc=_head_major_descriptor(q, chunk_heads(group)),
+        qp_desc=_head_major_descriptor(q_proxy, 1),
         t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
         query_masks=t_query_masks if has_masks else t_col_indices, grad_scale=grad_scale,
         grad_k_proxy=grad_k_proxy, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
         stride_gk_b=grad_k_proxy.stride(0), stride_gk_s=grad_k_proxy.stride(1),
         stride_gk_h=grad_k_proxy.stride(2), seq_len=seq_len, heads_proxy=heads_proxy,
-        proxy_group=heads_proxy // heads_keys, kv_group=heads_proxy // heads_kv,
-        group=heads_q // heads_proxy,
+        proxy_group=heads_proxy // heads_keys, kv_group=heads_proxy // heads_kv, group=group,
         layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, num_kv_blocks=layout.num_kv_blocks,
         proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
-        CHUNKS=heads_q // heads_proxy // 4, HAS_QUERY_MASKS=has_masks,
+        CHUNKS=group // chunk_heads(group), HAS_QUERY_MASKS=has_masks,
         NUM_STAGES=DK_NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
 def compile_dk_proxy_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
-                              proxy_dim: int = 128, chunks: int = 4) -> dict:  # fmt: skip
-    """Compile the dk_proxy kernel for sm_90a without a GPU (with query masks; `chunks` x 4
-    query heads a proxy head) and report as _compile does."""
+                              proxy_dim: int = 128, group: int = 16) -> dict:  # fmt: skip
+    """Compile the dk_proxy kernel for sm_90a without a GPU (with query masks; `group` query
+    heads a proxy head) and report as _compile does."""
     from flash_msa.ops.gluon import codegen
 
     types = dict(
         lse="*fp32", lse_proxy="*fp32",
         k_desc=codegen.descriptor_type(dtype, KV_BLOCK, head_dim),
         kp_desc=codegen.descriptor_type(dtype, KV_BLOCK, proxy_dim),
-        q_desc=codegen.descriptor_type(dtype, 1, 4, TOKENS, head_dim),
+        q_desc=codegen.descriptor_type(dtype, 1, chunk_heads(group), TOKENS, head_dim),
         qp_desc=codegen.descriptor_type(dtype, 1, 1, TOKENS, proxy_dim),
         t_row_offsets="*i32", t_col_indices="*i32", query_masks="*i64", grad_scale="*fp32",
         grad_k_proxy=f"*{dtype}", proxy_scale="fp32", qk_scale_log2="fp32",
     )  # fmt: skip
-    constexprs = dict(CHUNKS=chunks, HAS_QUERY_MASKS=True, NUM_STAGES=DK_NUM_STAGES)
-    name = f"kl_dk_proxy_{dtype}_d{head_dim}_dp{proxy_dim}_c{chunks}"
+    constexprs = dict(CHUNKS=group // chunk_heads(group), HAS_QUERY_MASKS=True,
+                      NUM_STAGES=DK_NUM_STAGES)  # fmt: skip
+    name = f"kl_dk_proxy_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}"
     return _compile(_kl_dk_proxy_kernel, types, constexprs, workdir, name)

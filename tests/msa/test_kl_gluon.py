@@ -87,13 +87,14 @@ def expected_kl(tensors, layout, words):
 @pytest.mark.parametrize(
     "geometry",
     [(2, 1000, 32, 2, 2, 1, 128, 128), (1, 2100, 16, 2, 2, 2, 64, 64),
-     (1, 777, 64, 4, 4, 1, 128, 64), (1, 130, 16, 1, 1, 1, 128, 128)],
+     (1, 777, 64, 4, 4, 1, 128, 64), (1, 130, 16, 1, 1, 1, 128, 128),
+     (1, 1500, 8, 2, 2, 1, 64, 64), (2, 600, 16, 4, 4, 2, 128, 128)],
     ids=str,
 )  # fmt: skip
 def test_gluon_kl_matches_float64(geometry, masks, dtype, monkeypatch):
     """On sm_90 the rows and the dk_proxy kernel are the Gluon ones: their loss and both
     gradients are within 2x the Triton kernels' error of the float64 KL on the same inputs,
-    for 8 and 16 query heads a proxy head, D and D_p 64 and 128, ragged lengths, a layout
+    for 4, 8 and 16 query heads a proxy head, D and D_p 64 and 128, ragged lengths, a layout
     head per proxy head or one for all."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon KL runs on sm_90")
@@ -119,13 +120,14 @@ def test_gluon_kl_is_refused_off_sm90():
 GLUON_SM90_COMPILE = """
 import json, sys
 from flash_msa.msa import kl_gluon
-CASES = (("bf16", 128, 128, True, 4), ("bf16", 128, 128, False, 4), ("fp16", 64, 64, True, 2))
-for dtype, dim, proxy_dim, grad, chunks in CASES:
-    report = kl_gluon.compile_for_sm90(sys.argv[1], dtype, dim, proxy_dim, grad, chunks)
-    print(json.dumps(dict(report, name=f"{dtype} D {dim} D_p {proxy_dim} grad {grad}")))
+CASES = (("bf16", 128, 128, True, 16), ("bf16", 128, 128, False, 16), ("fp16", 64, 64, True, 8),
+         ("bf16", 64, 64, True, 4))
+for dtype, dim, proxy_dim, grad, group in CASES:
+    report = kl_gluon.compile_for_sm90(sys.argv[1], dtype, dim, proxy_dim, grad, group)
+    print(json.dumps(dict(report, name=f"{dtype} D {dim} D_p {proxy_dim} grad {grad} G {group}")))
     if grad:
-        report = kl_gluon.compile_dk_proxy_for_sm90(sys.argv[1], dtype, dim, proxy_dim, chunks)
-        print(json.dumps(dict(report, name=f"dk_proxy {dtype} D {dim} D_p {proxy_dim}")))
+        report = kl_gluon.compile_dk_proxy_for_sm90(sys.argv[1], dtype, dim, proxy_dim, group)
+        print(json.dumps(dict(report, name=f"dk_proxy {dtype} D {dim} D_p {proxy_dim} G {group}")))
 """
 
 
@@ -134,7 +136,7 @@ def test_gluon_kl_compiles_for_hopper(sm90):
     warpgroup MMAs, without spills, and exponentials between a teacher product's issue and
     its wait."""
     reports = sm90(GLUON_SM90_COMPILE)
-    assert len(reports) == 5
+    assert len(reports) == 7
     for report in reports:
         assert report["wgmma"] and report["spills"] == 0, report
         assert report["setmaxnreg"] and report["exponentials_under_products"] >= 32, report
