@@ -50,7 +50,10 @@ class ModelConfig:
         window, sinks, block_size: the window variant's sliding window and sink tokens, and
             its layout's block size, in tokens.
         top_k, q_block, kv_block: the oracle_topk and msa selections: key blocks per query
-            block (the diagonal one included) and the block sizes.
+            block (the diagonal one included) and the block sizes. Under granularity "token"
+            msa selects per token whatever q_block is, and tiles its work with msa_func's
+            default query tile (16 tokens where a proxy head serves fewer than 16 query
+            heads): a larger tile only widens the union of choices it computes.
         granularity: msa's selection, "token" (each query token's blocks) or "block" (one
             choice per q_block queries); see flash_msa.msa.msa_func.
         proxy_heads, proxy_head_dim: msa's proxy heads (default kv_heads: one per GQA
@@ -190,7 +193,8 @@ def attention_for(variant: str, config: ModelConfig) -> nn.Module:
             config.dim, config.heads, num_kv_heads=config.kv_heads,
             num_proxy_heads=config.proxy_heads or config.kv_heads,
             proxy_head_dim=config.proxy_head_dim or config.head_dim, top_k=config.top_k,
-            q_block=config.q_block, kv_block=config.kv_block, rope_base=config.rope_base,
+            q_block=config.q_block if config.granularity == "block" else None,
+            kv_block=config.kv_block, rope_base=config.rope_base,
             granularity=config.granularity,
         )  # fmt: skip
     layers = dict(dense=DenseAttention, window=WindowAttention, oracle_topk=OracleTopkAttention)

@@ -109,3 +109,11 @@ def test_unknown_variant_and_bad_tokens():
         NeedleLM("sparse", TINY)
     with pytest.raises(ValueError, match=r"tokens must be \[batch, seq_len\]"):
         model_of("dense")(torch.zeros(8, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize(("granularity", "q_block"), [("token", 16), ("block", 64)])
+def test_msa_tiles(granularity, q_block):
+    """msa per token tiles its work as msa_func's default does (16 tokens where a proxy head
+    serves 2 query heads), whatever q_block is; per block it selects per q_block queries."""
+    config = dataclasses.replace(TINY, granularity=granularity)
+    assert [layer.attention.q_block for layer in NeedleLM("msa", config).layers] == [q_block] * 2
