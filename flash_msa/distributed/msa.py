@@ -42,7 +42,7 @@ def _check_plan(plan, q_block: int, kv_block: int) -> None:
 
 def _check_warmup_plan(plan: CpPlan) -> None:
     """Warm-up attends over the plan's layout: each row must hold every causal kv block."""
-    gap = plan.causal_gap()
+    gap = plan.causal_gap
     if gap is not None:
         head, row, diagonal = gap
         raise ValueError(

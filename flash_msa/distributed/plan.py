@@ -7,6 +7,7 @@ self-attention) and with them the query blocks they contain.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import NamedTuple
 
@@ -246,7 +247,6 @@ class CpPlan:
         self.busiest_cost = {balance: max(self.model_cost())}
         self._exchanges: dict[tuple[int, bool], RankExchange] = {}
         self._digest: int | None = None
-        self._causal_gap: tuple[int, int, int] | None | bool = False  # False: not computed yet
         self._gather_index: torch.Tensor | None = None
 
     def __repr__(self) -> str:
@@ -362,29 +362,27 @@ class CpPlan:
             self._gather_index = torch.argsort(order)
         return self._gather_index
 
+    @functools.cached_property
     def causal_gap(self) -> tuple[int, int, int] | None:
         """(layout head, query block b, d(b)) of the first row of the layout that lacks some of
         its causal kv blocks 0 .. d(b) (d(b): the block of row b's last query), or None when every
         row holds them all, as patterns.causal's rows do; computed once per plan. A row's
         columns are ascending and unique, so it holds them when its (d(b) + 1)-th column is
         d(b)."""
-        if self._causal_gap is False:
-            layout = self.layout
-            rows = torch.arange(layout.num_q_blocks, device=layout.device)
-            diagonal = diagonals(rows, dict(seq_len_q=layout.seq_len_q, q_block=layout.q_block,
-                                            kv_block=layout.kv_block))  # fmt: skip  # [nq]
-            starts = layout.row_offsets[:, :-1].long()  # [L, nq]
-            holds = layout.row_offsets[:, 1:] - starts > diagonal  # d(b) + 1 columns or more
-            if layout.nnz:
-                entry = (starts + diagonal).clamp(max=layout.nnz - 1)
-                holds &= layout.col_indices[entry] == diagonal
-            gaps = (~holds).nonzero()
-            if len(gaps):
-                head, row = gaps[0].tolist()
-                self._causal_gap = (head, row, int(diagonal[row]))
-            else:
-                self._causal_gap = None
-        return self._causal_gap
+        layout = self.layout
+        rows = torch.arange(layout.num_q_blocks, device=layout.device)
+        diagonal = diagonals(rows, dict(seq_len_q=layout.seq_len_q, q_block=layout.q_block,
+                                        kv_block=layout.kv_block))  # fmt: skip  # [nq]
+        starts = layout.row_offsets[:, :-1].long()  # [L, nq]
+        holds = layout.row_offsets[:, 1:] - starts > diagonal  # d(b) + 1 columns or more
+        if layout.nnz:
+            entry = (starts + diagonal).clamp(max=layout.nnz - 1)
+            holds &= layout.col_indices[entry] == diagonal
+        gaps = (~holds).nonzero()
+        if not len(gaps):
+            return None
+        head, row = gaps[0].tolist()
+        return head, row, int(diagonal[row])
 
     def digest(self) -> int:
         """A 63-bit fingerprint of the plan (layout, block sizes, owners): ranks compare it
