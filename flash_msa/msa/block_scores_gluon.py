@@ -5,11 +5,12 @@ consumers take the maxima of the block before.
 A program owns one query block of 64 positions for two proxy heads that share a proxy key
 head, 128 rows, and walks the kv blocks up to the block's diagonal with proxy_walk_gluon.py's
 producer warp and consumer walk. Each consumer warpgroup owns one head's 64 rows, so a
-block's score is the max over its own tile: per block it takes the row maxima (the diagonal
-block under the causal mask) and keeps them as one column of a [64, CHUNK] register tile;
-it walks CHUNK blocks at a time, and after each run reduces the tile over its rows, one
-cross-warp reduction for CHUNK blocks, and stores CHUNK scores. Past the diagonal it writes
--inf.
+block's score is the max over its own tile: per block it takes the row maxima and keeps them
+as one column of a [64, CHUNK] register tile; it walks CHUNK blocks at a time, and after
+each run scales the maxima by their FP8 factors, reduces the tile over its rows (one
+cross-warp reduction for CHUNK blocks) and stores CHUNK scores. The diagonal block, the one
+under the causal mask, is walked alone, so the mask stays out of the other blocks' loop.
+Past the diagonal it writes -inf.
 
 Documents, q_blocks (context parallelism), q_block other than 64, kv_block other than 128,
 D_p other than 64 or 128 and an odd number of proxy heads per key head take the Triton
@@ -64,38 +65,45 @@ def supports(q_proxy: torch.Tensor, group: int, q_block: int, kv_block: int, doc
 
 
 @gluon.jit
-def _enter(s, block, chunk, values):
-    """Block `block`'s product s [Q_BLOCK, KV_BLOCK] (done) into the chunk tile [Q_BLOCK,
-    CHUNK]: its row maxima (keys after a row's position masked in the diagonal block, rows
-    past the sequence -inf), scaled by the rows' FP8 factors, as column block % CHUNK."""
-    positions, row_valid, row_scales, columns, diagonal, SCALED = values
-    KEYS: gl.constexpr = s.type.shape[1]
+def _enter(s, block, chunk, columns):
+    """Block `block`'s product s [Q_BLOCK, KV_BLOCK] (done): its row maxima as column
+    block % CHUNK of the chunk tile [Q_BLOCK, CHUNK] (columns: [CHUNK], 0 .. CHUNK - 1)."""
     CHUNK: gl.constexpr = chunk.type.shape[1]
-    if block == diagonal:
-        keys = block * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s.type.layout))
-        rows = gl.convert_layout(positions, gl.SliceLayout(1, s.type.layout))  # [Q_BLOCK]
-        visible = gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1)  # [Q_BLOCK, KEYS]
-        s = gl.where(visible, s, float("-inf"))
-    row_max = gl.convert_layout(gl.max(s, axis=1), positions.type.layout)  # [Q_BLOCK]
-    if SCALED:  # positive factors: the max of the scaled logits is the scaled max
-        row_max = row_max * row_scales
-    row_max = gl.where(row_valid, row_max, float("-inf"))
+    row_max = gl.convert_layout(gl.max(s, axis=1), gl.SliceLayout(1, chunk.type.layout))
     column = gl.expand_dims(columns == block % CHUNK, 0)  # [1, CHUNK]
     return gl.where(column, gl.expand_dims(row_max, 1), chunk)
 
 
 @gluon.jit
-def _store_chunk(chunk, start, last, out_row, k_scales, scale, SCALED: gl.constexpr):
-    """Scores of kv blocks start .. last: the chunk tile's maxima over its rows, times the
-    blocks' FP8 factors and the softmax scale."""
+def _enter_diagonal(s, block, chunk, values):
+    """_enter for the diagonal block: keys after a row's position masked first."""
+    columns, first = values
+    KEYS: gl.constexpr = s.type.shape[1]
+    ROWS: gl.constexpr = s.type.shape[0]
+    keys = block * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s.type.layout))
+    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s.type.layout))  # [Q_BLOCK]
+    visible = gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1)  # [Q_BLOCK, KEYS]
+    return _enter(gl.where(visible, s, float("-inf")), block, chunk, columns)
+
+
+@gluon.jit
+def _store_chunk(chunk, start, last, row_values, out_row, k_scales, scale,
+                 SCALED: gl.constexpr):  # fmt: skip
+    """Scores of kv blocks start .. last from their columns of the chunk tile: the max over
+    the query rows (those past the sequence left out), each row maximum times its row's and
+    its block's FP8 factors first (as the Triton kernel rounds them), times the softmax
+    scale."""
+    row_valid, row_scales, columns = row_values  # [Q_BLOCK], [Q_BLOCK], [CHUNK]
     CHUNK: gl.constexpr = chunk.type.shape[1]
+    if SCALED:  # positive factors: the max of the scaled logits is the scaled max
+        block_scales = gl.load(k_scales + start + columns, mask=start + columns <= last,
+                               other=1.0)  # fmt: skip
+        chunk = chunk * (gl.expand_dims(row_scales, 1) * gl.expand_dims(block_scales, 0))
+    chunk = gl.where(gl.expand_dims(row_valid, 1), chunk, float("-inf"))
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     maxima = gl.convert_layout(gl.max(chunk, axis=0), layout)  # [CHUNK]
     blocks = start + gl.arange(0, CHUNK, layout=layout)  # [CHUNK]
-    live = blocks <= last
-    if SCALED:
-        maxima = maxima * gl.load(k_scales + blocks, mask=live, other=1.0)
-    gl.store(out_row + blocks, maxima * scale, mask=live)
+    gl.store(out_row + blocks, maxima * scale, mask=blocks <= last)
 
 
 @gluon.jit
@@ -116,16 +124,22 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, q_scales, k_scales, tile_values,
         row_scales = gl.load(q_scales + positions.to(gl.int64) * stride_qs_s + HALF,
                              mask=row_valid, other=1.0)  # fmt: skip
     out_row += HALF * stride_o_h
+    q = q_smem.index(HALF)
     columns = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))  # [CHUNK]
     chunk = gl.full([ROWS, CHUNK], float("-inf"), gl.float32, chunk_layout)
-    values = (positions, row_valid, row_scales, columns, diagonal, SCALED)
-    # Chunks of CHUNK blocks: a store inside the walk's loop, beside its warpgroup MMAs, does
-    # not compile (Triton 3.6: an assertion in the conversion to LLVM).
+    # Runs of CHUNK blocks (even: proxy_walk_gluon.py), each reduced and stored after it: a
+    # store inside the walk's loop, beside its warpgroup MMAs, does not compile (Triton 3.6:
+    # an assertion in the conversion to LLVM). The diagonal block, the one a mask applies
+    # to, is walked alone, last.
     for start in range(0, diagonal + 1, CHUNK):
-        end = gl.minimum(start + CHUNK, diagonal + 1)
-        chunk = walk_blocks(q_smem.index(HALF), k_smem, k_ready, k_empty, start, end, chunk,
-                            values, _enter)  # fmt: skip
-        _store_chunk(chunk, start, end - 1, out_row, k_scales, scale, SCALED)
+        end = gl.minimum(start + CHUNK, diagonal)
+        chunk = walk_blocks(q, k_smem, k_ready, k_empty, start, end, chunk, columns, _enter)
+        if end == diagonal:
+            chunk = walk_blocks(q, k_smem, k_ready, k_empty, diagonal, diagonal + 1, chunk,
+                                (columns, first), _enter_diagonal)  # fmt: skip
+        row_values = (row_valid, row_scales, columns)
+        _store_chunk(chunk, start, gl.minimum(start + CHUNK - 1, diagonal), row_values,
+                     out_row, k_scales, scale, SCALED)  # fmt: skip
     tail_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     for start in range(diagonal + 1, num_kv_blocks, TAIL_COLUMNS):
         blocks = start + gl.arange(0, TAIL_COLUMNS, layout=tail_layout)  # [TAIL_COLUMNS]

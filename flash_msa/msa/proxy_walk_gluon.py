@@ -63,9 +63,10 @@ def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: g
     register tiles, even and odd steps (a walk of two blocks a step), so that no copy of a
     tile in flight makes the next product wait; where the walk has no next block, the last
     one's product runs again, unread. A walk over an even number of blocks issues that
-    product before it frees the last block's slot; after an odd one the producer must load
-    no more (the product would wait for the slot's next keys, which the consumer has yet to
-    free): walks that stop short of the producer's last block cover an even number."""
+    product before it frees the last block's slot; an odd one issues it after, so the
+    producer must then load fewer than NUM_STAGES more blocks (else the product could wait
+    for that slot's next keys, which this consumer has yet to free): walks followed by
+    NUM_STAGES or more blocks cover an even number."""
     ROWS: gl.constexpr = q.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
