@@ -105,6 +105,12 @@ def chunk_heads(group: int) -> int:
     return min(4, group // 2)
 
 
+def chunk_count(group: int) -> int:
+    """Teacher products (chunks of chunk_heads(group) query heads) per kv block and token
+    tile: 2 or 4."""
+    return group // chunk_heads(group)
+
+
 @gluon.jit
 def _producer(k_desc, kp_desc, k_smem, kp_smem, ready, empty, blocks, key_row, columns,
               GRAD: gl.constexpr):  # fmt: skip
@@ -596,7 +602,7 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
         layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, num_q_blocks=layout.num_q_blocks,
         proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
-        HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=group // chunk_heads(group),
+        HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunk_count(group),
         CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=has_masks, GRAD=with_grad,
         NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
@@ -631,7 +637,7 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
         lse_proxy="*fp32", kl_rows="*fp32", grad_q_proxy=pointer, proxy_scale="fp32",
         qk_scale_log2="fp32",
     )  # fmt: skip
-    constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=group // chunk_heads(group),
+    constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunk_count(group),
                       CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=True, GRAD=grad,
                       NUM_STAGES=NUM_STAGES)  # fmt: skip
     name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}{'_grad' if grad else ''}"
@@ -888,7 +894,7 @@ def kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets, t_col_ind
         layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, num_kv_blocks=layout.num_kv_blocks,
         proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
-        CHUNKS=group // chunk_heads(group), HAS_QUERY_MASKS=has_masks,
+        CHUNKS=chunk_count(group), HAS_QUERY_MASKS=has_masks,
         NUM_STAGES=DK_NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
@@ -908,7 +914,7 @@ def compile_dk_proxy_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int =
         t_row_offsets="*i32", t_col_indices="*i32", query_masks="*i64", grad_scale="*fp32",
         grad_k_proxy=f"*{dtype}", proxy_scale="fp32", qk_scale_log2="fp32",
     )  # fmt: skip
-    constexprs = dict(CHUNKS=group // chunk_heads(group), HAS_QUERY_MASKS=True,
+    constexprs = dict(CHUNKS=chunk_count(group), HAS_QUERY_MASKS=True,
                       NUM_STAGES=DK_NUM_STAGES)  # fmt: skip
     name = f"kl_dk_proxy_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}"
     return _compile(_kl_dk_proxy_kernel, types, constexprs, workdir, name)
