@@ -11,6 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Loaded with flash_msa, before any process group exists: its functions take the default
+# group as a default argument when the module loads, and torch loads it on the first call
+# of a custom op (through torch._dynamo). Loaded after init_process_group, it would hold
+# that group past destroy_process_group until the interpreter shuts down, where Gloo's
+# threads then abort the process.
+import torch.distributed.nn.functional  # noqa: F401
+
 from flash_msa.distributed.plan import CpPlan
 
 # Per-rank facts compared before the first exchange, in this order.

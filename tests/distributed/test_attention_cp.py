@@ -9,6 +9,8 @@ waiting in a collective; the parent reports them all.
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -363,6 +365,12 @@ def _worker(rank, world_size, init_file, results):
         except Exception:  # noqa: BLE001 - reported to the parent
             failures.append(f"{check.__name__}: rank {rank}: {traceback.format_exc()}")
     results[rank] = failures
+    _destroy_group()
+
+
+def _destroy_group():
+    """Every rank past its last collective, then the default group torn down."""
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -391,7 +399,7 @@ def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
                             world_size=1)  # fmt: skip
     yield
-    dist.destroy_process_group()
+    _destroy_group()
 
 
 def _msa_tensors():
@@ -426,3 +434,28 @@ def test_msa_top_k_past_the_kv_blocks_keeps_them_all(one_rank_group):
     out, kl = msa_func_cp(*tensors, plan, top_k=2**70, kv_block=32)
     expected_out, expected_kl = msa_func_cp(*tensors, plan, top_k=5, kv_block=32)  # 5 blocks
     assert torch.equal(out, expected_out) and torch.equal(kl, expected_kl)
+
+
+GROUP_LIFETIME = """
+import sys, tempfile, weakref
+import torch
+import torch.distributed as dist
+from flash_msa import patterns
+from flash_msa.distributed import block_sparse_attn_cp, cp_plan
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0,
+                        world_size=1)
+group = weakref.ref(dist.group.WORLD)
+q = torch.randn(1, 64, 2, 16, dtype=torch.float64)
+block_sparse_attn_cp(q, q, q, cp_plan(patterns.causal(64, block_size=32), 1), backend="torch")
+dist.destroy_process_group()
+sys.exit(group() is not None)
+"""
+
+
+def test_the_default_group_dies_with_destroy_process_group():
+    """In a fresh process, a context-parallel call (the first custom op call, which makes
+    torch load torch.distributed.nn.functional) leaves no reference to the default group
+    behind: destroy_process_group frees it, rather than the interpreter's shutdown, where
+    Gloo's threads abort the process."""
+    subprocess.run([sys.executable, "-c", GROUP_LIFETIME], check=True, timeout=300)
