@@ -12,7 +12,7 @@ import torch
 
 from flash_msa.msa.interface import msa_func
 from flash_msa.ops.interface import check_softmax_scale
-from flash_msa.sequences import check_cu_seqlens, check_document_ids
+from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
 
 KV_BLOCK = 128  # poolside's block size: top_k is a multiple of it
 
@@ -46,14 +46,14 @@ def _check_top_k(top_k) -> None:
         )
 
 
-def _documents_as_cu_seqlens(document_ids: torch.Tensor, batch: int, seq_len: int, device):
-    """cu_seqlens over the B * S flattened tokens from document ids [B, S] (non-decreasing
-    along S): a document starts where the id changes and at every row's start."""
-    check_document_ids(document_ids, batch, seq_len, device)
-    starts = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+def _packed_cu_seqlens(document_ids: torch.Tensor) -> torch.Tensor:
+    """int32 cu_seqlens over the flattened tokens of document ids [rows, S] (checked,
+    non-decreasing along S): a document starts where the id changes and at every row's
+    start."""
+    starts = torch.ones(document_ids.shape, dtype=torch.bool, device=document_ids.device)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     bounds = torch.nonzero(starts.flatten()).flatten()
-    end = torch.tensor([batch * seq_len], device=bounds.device)
+    end = torch.tensor([document_ids.numel()], device=bounds.device)
     return torch.cat([bounds, end]).to(torch.int32)
 
 
@@ -87,6 +87,7 @@ def flash_msa_func(
         top_k: keys per token, a multiple of 128: top_k / 128 blocks, the token's own included.
         scale: the softmax scale of both the main and the proxy logits (e.g. D ** -0.5).
         document_ids: int [B, S], non-decreasing along S: attention stays inside a document.
+            A row's blocks of 128 start at its first token, as without documents.
         cu_seqlens: int32 [N + 1] document bounds over the B * S flattened tokens, including
             every row's start (instead of document_ids).
 
@@ -103,15 +104,26 @@ def flash_msa_func(
     if document_ids is not None and cu_seqlens is not None:
         raise ValueError("pass document_ids or cu_seqlens, not both")
     if document_ids is not None:
-        cu_seqlens = _documents_as_cu_seqlens(document_ids, batch, seq_len, q.device)
+        check_document_ids(document_ids, batch, seq_len, q.device)
     elif cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, total_tokens=batch * seq_len, device=q.device)
         _check_row_bounds(cu_seqlens, batch, seq_len)
+        document_ids = document_ids_of(cu_seqlens).view(batch, seq_len)
     tensors = [tensor.transpose(1, 2) for tensor in named.values()]  # [B, S, H, D]
-    if cu_seqlens is not None:
-        tensors = [tensor.reshape(batch * seq_len, *tensor.shape[2:]) for tensor in tensors]
-    out, kl_loss = msa_func(
-        *tensors, top_k=top_k // KV_BLOCK, kv_block=KV_BLOCK,
-        softmax_scale=scale, proxy_softmax_scale=scale, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return out.reshape(batch, seq_len, heads_q * head_dim), kl_loss
+    options = dict(top_k=top_k // KV_BLOCK, kv_block=KV_BLOCK, softmax_scale=scale,
+                   proxy_softmax_scale=scale)  # fmt: skip
+    if document_ids is None or batch == 0:
+        out, kl_loss = msa_func(*tensors, **options)
+        return out.reshape(batch, seq_len, heads_q * head_dim), kl_loss
+    # Documents run packed, rows one after another: a row's blocks of 128 start at its first
+    # token only where S is a multiple of 128, so other rows run one call each.
+    rows = batch if seq_len % KV_BLOCK == 0 else 1
+    outs, kl_losses = [], []
+    for first in range(0, batch, rows):
+        packed = [t[first : first + rows].flatten(0, 1) for t in tensors]  # [rows * S, H, D]
+        cu_seqlens = _packed_cu_seqlens(document_ids[first : first + rows])
+        out, kl_loss = msa_func(*packed, cu_seqlens=cu_seqlens, **options)
+        outs.append(out.reshape(rows, seq_len, heads_q * head_dim))
+        kl_losses.append(kl_loss)
+    # Each call's KL is a mean over as many (row, proxy head, token) terms.
+    return torch.cat(outs), torch.stack(kl_losses).mean()

@@ -47,20 +47,31 @@ def test_flash_msa_func_matches_the_eager_msa(top_k, poisoned_allocations):
         assert relative_error(got, want) < 1e-5
 
 
-def test_documents_by_ids_or_cu_seqlens(poisoned_allocations):
+@pytest.mark.parametrize("top_k", [128, 256], ids=lambda k: f"top_k={k}")
+def test_documents_by_ids_or_cu_seqlens(top_k, poisoned_allocations):
     """document_ids [B, S] and cu_seqlens over the B * S tokens give one result, and it is
-    the eager MSA's with those documents."""
+    the eager MSA's with those documents: each row's blocks of 128 start at its own first
+    token, also where S (300) is not a multiple of 128 (top_k 128 keeps a token's own block
+    alone, so a block grid shifted by a row's offset selects other keys)."""
     tensors = _inputs(2, (2, 1, 2, 1), seed=3)
     document_ids = torch.tensor([0] * 140 + [1] * 100 + [2] * 60).expand(2, -1)
     cu_seqlens = torch.tensor([0, 140, 240, 300, 440, 540, 600], dtype=torch.int32)
     on_device = [t.to(DEVICE) for t in tensors]
-    by_ids = flash_msa_func(*on_device, 256, 0.25, document_ids.to(DEVICE))
-    by_bounds = flash_msa_func(*on_device, 256, 0.25, cu_seqlens=cu_seqlens.to(DEVICE))
+    by_ids = flash_msa_func(*on_device, top_k, 0.25, document_ids.to(DEVICE))
+    by_bounds = flash_msa_func(*on_device, top_k, 0.25, cu_seqlens=cu_seqlens.to(DEVICE))
     for got, want in zip(by_ids, by_bounds, strict=True):
         assert torch.equal(got, want)
-    expected, expected_kl = _reference(tensors, 256, 0.25, document_ids)
+    expected, expected_kl = _reference(tensors, top_k, 0.25, document_ids)
     assert relative_error(by_ids[0], expected) < 1e-5
     assert abs(by_ids[1].item() - expected_kl.item()) < 1e-5
+
+
+def test_an_empty_batch_with_documents():
+    """Batch 0 with document_ids [0, S]: empty outputs, as without documents."""
+    tensors = [t[:0].to(DEVICE) for t in _inputs(1, (2, 1, 2, 1), seed=4)]
+    document_ids = torch.zeros(0, SEQ_LEN, dtype=torch.int32, device=DEVICE)
+    out, _ = flash_msa_func(*tensors, 256, 0.25, document_ids)
+    assert out.shape == (0, SEQ_LEN, 2 * DIM)
 
 
 class _Layer(nn.Module):
