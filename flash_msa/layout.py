@@ -147,6 +147,12 @@ class BlockLayout:
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {tensor.dtype}; convert with .int()")
+        if col_indices.numel() > torch.iinfo(torch.int32).max:
+            raise ValueError(
+                f"the layout holds {col_indices.numel():,} active blocks, more than its int32 "
+                "row_offsets count (2**31 - 1): use larger blocks, or fewer layout heads or "
+                "batch rows a call"
+            )
         self.row_offsets = row_offsets
         self.col_indices = col_indices
         self.seq_len_q = seq_len_q

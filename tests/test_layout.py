@@ -90,6 +90,15 @@ def test_constructor_rejects_wrong_dtypes():
         BlockLayout(torch.tensor([[0, 1]], dtype=torch.int32), [0], seq_len_q=16)
 
 
+def test_constructor_rejects_more_blocks_than_int32_offsets_count():
+    """2**31 entries (an expanded view: no memory) would wrap the int32 row_offsets."""
+    cols = torch.zeros(1, dtype=torch.int32).expand(2**31)
+    offsets = torch.tensor([[0, 2**31 - 1]], dtype=torch.int32)
+    message = r"the layout holds 2,147,483,648 active blocks, more than its int32 row_offsets"
+    with pytest.raises(ValueError, match=message):
+        BlockLayout(offsets, cols, seq_len_q=16, validate=False)
+
+
 @given(
     heads=st.integers(1, 3),
     seq_len_q=st.integers(1, 100),

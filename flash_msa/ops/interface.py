@@ -114,6 +114,11 @@ def _check_positions(positions, layout: BlockLayout, q: torch.Tensor) -> None:
             f"positions.seq_len must be a positive int (the global sequence length), got "
             f"{seq_len!r}"
         )
+    if seq_len > torch.iinfo(torch.int32).max:
+        raise ValueError(
+            f"positions.seq_len must be below 2**31 (the kernels compute token positions in "
+            f"int32), got {seq_len}"
+        )
     for name, blocks in (("q_blocks", positions.q_blocks), ("kv_blocks", positions.kv_blocks)):
         if not isinstance(blocks, torch.Tensor):
             raise TypeError(f"positions.{name} must be a torch.Tensor, got {type(blocks).__name__}")

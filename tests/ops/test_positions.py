@@ -339,6 +339,9 @@ BAD_POSITIONS = [
     (lambda p: p._replace(seq_len=True), ValueError, "positions.seq_len must be a positive int"),
     (lambda p: p._replace(seq_len=100.0), ValueError, "positions.seq_len must be a positive int"),
     (lambda p: p._replace(seq_len=0), ValueError, "positions.seq_len must be a positive int"),
+    (lambda p: p._replace(seq_len=2**31), ValueError,
+     r"positions.seq_len must be below 2\*\*31 \(the kernels compute token positions in int32\), "
+     "got 2147483648"),
     (lambda p: p._replace(q_blocks=tensor(0, 6, 5)), ValueError,
      "positions.q_blocks must name the global block of each of the layout's 2 query blocks"),
     (lambda p: p._replace(kv_blocks=tensor(3, 0, 1)), ValueError,
