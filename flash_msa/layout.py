@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -28,7 +29,7 @@ def checked_device(device) -> torch.device | None:
     if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
         raise TypeError(f"device must be a torch.device, str or int, got {device!r}")
     try:
-        parsed = torch.device(device)
+        parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except RuntimeError:
         raise ValueError(
             f"device must name a torch device such as 'cpu' or 'cuda:0', got {device!r}"
@@ -80,6 +81,26 @@ def derived_from(tensor: torch.Tensor, key, compute):
     if cached is None or cached[0] != version:
         cached = entries[key] = (version, compute())
     return cached[1]
+
+
+def check_entries(nnz: int) -> None:
+    """A layout's active blocks must fit its int32 row_offsets (builders check before they
+    allocate them)."""
+    if torch.compiler.is_compiling():
+        return  # a traced size: checked by eager calls, not traced ones
+    if nnz > torch.iinfo(torch.int32).max:
+        raise ValueError(
+            f"the layout holds {nnz:,} active blocks, more than its int32 row_offsets count "
+            "(2**31 - 1): use larger blocks, or fewer layout heads or batch rows a call"
+        )
+
+
+def _check_grid(seq_len_q, seq_len_kv, q_block, kv_block) -> None:
+    """A layout's sequence lengths (positive ints) and block sizes."""
+    for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
+        _check_positive_int(name, value)
+    check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)
+    check_block_size("kv_block", kv_block, LAYOUT_BLOCK_SIZES)
 
 
 def _check_keys(keys, count: int) -> None:
@@ -138,21 +159,13 @@ class BlockLayout:
     ):
         seq_len_kv = seq_len_q if seq_len_kv is None else seq_len_kv
         kv_block = q_block if kv_block is None else kv_block
-        for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
-            _check_positive_int(name, value)
-        check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)
-        check_block_size("kv_block", kv_block, LAYOUT_BLOCK_SIZES)
+        _check_grid(seq_len_q, seq_len_kv, q_block, kv_block)
         for name, tensor in (("row_offsets", row_offsets), ("col_indices", col_indices)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {tensor.dtype}; convert with .int()")
-        if col_indices.numel() > torch.iinfo(torch.int32).max:
-            raise ValueError(
-                f"the layout holds {col_indices.numel():,} active blocks, more than its int32 "
-                "row_offsets count (2**31 - 1): use larger blocks, or fewer layout heads or "
-                "batch rows a call"
-            )
+        check_entries(col_indices.numel())
         self.row_offsets = row_offsets
         self.col_indices = col_indices
         self.seq_len_q = seq_len_q
@@ -415,6 +428,9 @@ class BlockLayout:
     ) -> BlockLayout:
         """Build from ascending unique int64 keys (layout * nq + row) * nk + col (see keys());
         validate: check the keys and the layout (builders that make the keys skip it)."""
+        _check_grid(seq_len_q, seq_len_kv, q_block, kv_block)
+        for name, value in (("layout_batch", layout_batch), ("layout_heads", layout_heads)):
+            _check_positive_int(name, value)
         num_q_blocks = math.ceil(seq_len_q / q_block)
         num_kv_blocks = math.ceil(seq_len_kv / kv_block)
         num_layouts = layout_batch * layout_heads
@@ -581,6 +597,8 @@ class BlockLayout:
         A grid of more than max_pixels blocks a side is binned: a pixel holding any active
         block is coloured, darker the more of its blocks are active. Needs matplotlib
         (pip install 'flash-msa[plot]')."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         _check_positive_int("max_pixels", max_pixels)
         _check_positive_int("max_heads", max_heads)
         try:

@@ -48,7 +48,9 @@ def check_cu_seqlens(
 
 
 def document_ids_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int32 [T]: the document of each packed token (empty documents own no token)."""
+    """int32 [T]: the document of each packed token (empty documents own no token), from
+    cu_seqlens int32 [N + 1] (checked: starts at 0, non-decreasing)."""
+    check_cu_seqlens(cu_seqlens)
     total = int(cu_seqlens[-1])
     positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     boundaries = cu_seqlens.contiguous()  # a strided view works, but searchsorted warns

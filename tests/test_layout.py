@@ -277,6 +277,22 @@ def test_from_keys_checks_its_keys(keys, error, match):
                                  q_block=16, kv_block=16).nnz == 3  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q_block=0), r"q_block must be one of \(1, 2, 4, 8, 16, 32, 64, 128\), got 0"),
+        (dict(kv_block=0), r"kv_block must be one of \(1, 2, 4, 8, 16, 32, 64, 128\), got 0"),
+        (dict(seq_len_q=0), "seq_len_q must be a positive int, got 0"),
+        (dict(seq_len_kv=-6), "seq_len_kv must be a positive int, got -6"),
+        (dict(layout_batch=0), "layout_batch must be a positive int, got 0"),
+    ],
+)
+def test_from_keys_checks_its_grid_before_its_keys(change, match):
+    grid = {**dict(seq_len_q=64, seq_len_kv=64, q_block=16, kv_block=16), **change}
+    with pytest.raises(ValueError, match=match):
+        BlockLayout.from_keys(torch.tensor([0, 3]), **grid)
+
+
 def test_check_unchanged_without_version_counters():
     with torch.inference_mode():  # inference tensors track no version: nothing to compare
         layout = patterns.causal(128, block_size=64)
@@ -328,6 +344,11 @@ def test_plot_labels_axes_in_tokens_and_is_large(tmp_path, monkeypatch):
 def test_plot_rejects_sizes_that_are_not_positive_ints(tmp_path, option, value):
     with pytest.raises(ValueError, match=f"{option} must be a positive int, got {value}"):
         patterns.causal(256).plot(str(tmp_path / "causal.png"), **{option: value})
+
+
+def test_plot_takes_a_path():
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike, got int"):
+        patterns.causal(256).plot(3)
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):

@@ -469,6 +469,8 @@ def token_selection_layout(
     q_block 1 they are the layout as they are).
     """
     seq_len_kv = seq_len if seq_len_kv is None else seq_len_kv
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
     if check:
         _check_selection(selected, seq_len, seq_len_kv, q_block, kv_block)
     num_kv_blocks = math.ceil(seq_len_kv / kv_block)

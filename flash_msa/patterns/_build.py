@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size
+from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size, check_entries
 from flash_msa.sequences import check_cu_seqlens
 
 
@@ -137,6 +137,7 @@ def fixed_rows(counts: torch.Tensor, num_layouts: int, per_layout: int):
     entries its flat row (layout * nq + row) and its slot within that row, int64 [nnz]."""
     device = counts.device
     nnz = num_layouts * per_layout
+    check_entries(nnz)
     row_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [nq + 1]
     row_offsets = torch.arange(num_layouts, device=device)[:, None] * per_layout + row_offsets
     rows = torch.repeat_interleave(
@@ -159,6 +160,7 @@ def progression_rows(
     offsets = torch.zeros(count.numel() + 1, dtype=torch.int64, device=count.device)
     torch.cumsum(count, 0, out=offsets[1:])
     nnz = int(offsets[-1])
+    check_entries(nnz)
     # col = start[r] + step * (entry - offsets[r]): one repeat of a per-row base, in int32.
     base = (start - step * offsets[:-1]).int()
     cols = torch.repeat_interleave(base, count, output_size=nnz)

@@ -430,6 +430,8 @@ def test_token_selection_layout_rejects_bad_input():
         token_selection_layout(selected, **dict(good, q_block=128))
     with pytest.raises(ValueError, match="q_block must be one of"):
         token_selection_layout(selected, **dict(good, q_block=12))
+    with pytest.raises(TypeError, match="check must be a bool, got None"):
+        token_selection_layout(selected, **good, check=None)
     for row, match in [
         ([0, 3], r"in \[0, 3\) .* from -1 to 3"),
         ([0, 0], r"ascending without repeats .* token 5 holds \[0, 0\]"),

@@ -322,6 +322,7 @@ BUILDERS_WITH_DEVICE = {
         ("gpu", ValueError, "device must name a torch device such as 'cpu' or 'cuda:0', got 'gpu'"),
         ("cuda:63", ValueError, r"device 'cuda:63': this machine has \d+ CUDA device"),
         (2.5, TypeError, "device must be a torch.device, str or int, got 2.5"),
+        (63, ValueError, r"device 63: this machine has \d+ CUDA device"),  # an int: CUDA's
     ],
 )
 def test_builders_name_a_bad_device(builder, device, error, match):
@@ -413,3 +414,11 @@ def test_cu_seqlens_errors():
         patterns.documents(torch.tensor([0, 100, 50, 200], dtype=torch.int32))
     with pytest.raises(ValueError, match="must start at 0, got 5"):
         patterns.documents(torch.tensor([5, 200], dtype=torch.int32))
+
+
+def test_builders_refuse_more_blocks_than_int32_offsets_count_before_allocating():
+    """causal over 2**20 tokens in blocks of 16 holds 65536 * 65537 / 2 blocks: past int32's
+    row_offsets, refused from the geometry (no [nnz] tensor is allocated)."""
+    message = "the layout holds 2,147,516,416 active blocks, more than its int32 row_offsets"
+    with pytest.raises(ValueError, match=message):
+        patterns.causal(2**20, block_size=16)
