@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 
 from flash_msa.layout import BlockLayout
 
 
-def stack(layouts: Sequence[BlockLayout]) -> BlockLayout:
+def stack(layouts: Iterable[BlockLayout]) -> BlockLayout:
     """One layout head per input (each a single-head layout of the same sizes)."""
+    if isinstance(layouts, BlockLayout) or not isinstance(layouts, Iterable):
+        raise TypeError(
+            f"layouts must be a list (or other iterable) of BlockLayouts, got "
+            f"{type(layouts).__name__}"
+        )
+    layouts = list(layouts)
     if len(layouts) == 0:
         raise ValueError("stack() needs at least one layout")
     first = layouts[0]

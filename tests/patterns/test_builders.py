@@ -232,6 +232,9 @@ def test_stack_gives_one_layout_head_each():
         patterns.stack([parts[0], patterns.causal(120, block_size=16)])
     with pytest.raises(ValueError, match="already has 2 layout heads"):
         patterns.stack([stacked])
+    assert torch.equal(patterns.stack(iter(parts)).to_dense(), stacked.to_dense())
+    with pytest.raises(TypeError, match="layouts must be a list .* of BlockLayouts, got BlockLay"):
+        patterns.stack(parts[0])
 
 
 @pytest.mark.parametrize(
