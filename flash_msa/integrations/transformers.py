@@ -7,10 +7,10 @@ layout of each layer comes from the model config's `flash_msa` entry and is buil
 (pattern, sequence length, device).
 
 A layer's attention is causal, never crosses a packed document, keeps the sliding window the
-model asks for (i - j < sliding_window), and covers only the layout's active blocks (whole
-blocks: a query sees every earlier key of an active block). Whatever else a model asks for
-(padding, explicit masks, bidirectional attention, cached decoding, soft-capping, sinks)
-raises ValueError naming it and the fix.
+model asks for (i - j < sliding_window, passed to the layer or held in its mask), and covers
+only the layout's active blocks (whole blocks: a query sees every earlier key of an active
+block). Whatever else a model asks for (padding, explicit masks, bidirectional attention,
+cached decoding, soft-capping, sinks) raises ValueError naming it and the fix.
 
 Packed documents share the layout of their row: causal and sliding-window layouts attend
 within each document as it would alone, while a pattern anchored at the row's start (the
@@ -58,9 +58,13 @@ class DocumentMask:
     model's mask keeps apart.
 
     document_ids: int32 [B, S], non-decreasing along S, or None for one document per row.
+    window: the sliding window the mask holds (a query sees the keys i - window < j <= i of
+        its document), or None. Some models (Qwen2-MoE, PhiMoE) keep their window in the
+        mask alone and pass none to the attention call.
     """
 
     document_ids: torch.Tensor | None
+    window: int | None = None
 
 
 def register(name: str = ATTENTION_NAME) -> str:
@@ -346,6 +350,20 @@ def _packed_cu_seqlens(kwargs, batch: int, seq_len: int, document_ids):
     return cu_seqlens, max_seqlen
 
 
+def window_of(attention_mask, sliding_window: int | None) -> int | None:
+    """The sliding window a layer applies: the one the model passes the attention call, else
+    the one its mask holds; ValueError when the two differ."""
+    mask_window = attention_mask.window if isinstance(attention_mask, DocumentMask) else None
+    if sliding_window is None:
+        return mask_window
+    if mask_window is not None and mask_window != sliding_window:
+        raise ValueError(
+            f"the model passes a sliding window of {sliding_window} tokens but its mask holds "
+            f"one of {mask_window}; run it with attn_implementation='sdpa'"
+        )
+    return sliding_window
+
+
 def _documents(attention_mask, kwargs, batch: int, seq_len: int):
     """int32 [B, S] documents from the DocumentMask, or from position_ids that restart; None
     for one document per row. An explicit mask raises ValueError."""
@@ -394,6 +412,7 @@ def attention_forward(
         (out [B, S, H_q, D], None): no attention weights are formed.
     """
     _check_options(module, query, key, value, is_causal, sliding_window, kwargs)
+    sliding_window = window_of(attention_mask, sliding_window)
     batch, _, seq_len, _ = query.shape
     document_ids = _documents(attention_mask, kwargs, batch, seq_len)
     config = getattr(module, "config", None)
@@ -496,7 +515,33 @@ def document_mask(
             "attn_implementation='sdpa'"
         )
     starts = ~keeps(positions[:, 1:], positions[:, :-1])  # [B, S - 1]
-    if not bool(starts.any()):
-        return DocumentMask(None)
-    zeros = torch.zeros_like(starts[:, :1])
-    return DocumentMask(torch.cat([zeros, starts], dim=-1).cumsum(-1).int())
+    document_ids = None
+    if bool(starts.any()):
+        zeros = torch.zeros_like(starts[:, :1])
+        document_ids = torch.cat([zeros, starts], dim=-1).cumsum(-1).int()
+    return DocumentMask(document_ids, _window_in_mask(keeps, positions, document_ids))
+
+
+def _window_in_mask(keeps, positions: torch.Tensor, document_ids) -> int | None:
+    """The sliding window a causal mask holds: W where query i sees the keys i - W < j <= i of
+    its document, None where every query sees its whole document up to itself. A mask found
+    to be neither (probed at each query's window edge and at keys of earlier documents)
+    raises ValueError."""
+    tokens = positions.expand(*keeps(positions, positions).shape)  # [B, S]
+    first = torch.zeros_like(tokens)  # [B, S]: the first token of each query's document
+    if document_ids is not None:
+        first = torch.where(_starts(document_ids), tokens, 0).cummax(-1).values
+    blind = ~keeps(tokens, first)  # queries that do not see their document's first key
+    window = int((tokens - first)[blind].min()) if bool(blind.any()) else None
+    lowest = first if window is None else torch.maximum(first, tokens - window + 1)
+    hidden = [(first - 1, first > 0), (first - 2, first > 1), (torch.zeros_like(first), first > 0)]
+    if window is not None:  # the key just past the window, where it lies in the document
+        hidden.append((tokens - window, tokens - window >= first))
+    seen_hidden = [keeps(tokens, key.clamp(min=0)) & applies for key, applies in hidden]
+    if not bool(keeps(tokens, lowest).all()) or any(bool(seen.any()) for seen in seen_hidden):
+        raise ValueError(
+            "the model's mask is not causal attention within documents (with a sliding "
+            "window or without), which block-sparse attention cannot apply; run it with "
+            "attn_implementation='sdpa'"
+        )
+    return window

@@ -58,6 +58,7 @@ from flash_msa.integrations.transformers import (
     _packed_cu_seqlens,
     _register,
     _starts,
+    window_of,
 )
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
@@ -493,6 +494,7 @@ def attention_forward(
         (out [B, S, H_q, D], None); the layer's kl_loss is kept for collect_kl_loss.
     """
     _check_options(module, query, key, value, is_causal, sliding_window, kwargs)
+    sliding_window = window_of(attention_mask, sliding_window)
     batch, _, seq_len, _ = query.shape
     if dropout:
         raise ValueError(

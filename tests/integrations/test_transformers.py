@@ -26,6 +26,12 @@ TINY = dict(
 )
 # Qwen2 with its own sliding window on layer 1 (layer 0 attends in full).
 QWEN2_SLIDING = dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)
+# Qwen2-MoE keeps its sliding window in the mask alone: its attention call gets none.
+QWEN2_MOE_SLIDING = dict(
+    use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 2,
+    num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides):
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     return model_class(config_class(**TINY, **overrides)).eval()
@@ -143,6 +150,40 @@ def test_model_sliding_window_equals_sdpa(name):
     model.config.flash_msa = {"pattern": "dilated", "window": 32, "dilation": 2, "block_size": 16}
     with pytest.raises(ValueError, match="sliding window of 12 tokens"):
         logits(model, name, input_ids)
+
+
+def test_a_window_in_the_mask_alone_equals_sdpa(name):
+    """Qwen2-MoE's window reaches the layers through the mask only: it is read off the mask
+    and applied, alone and within packed documents."""
+    model = tiny_model("qwen2_moe", **QWEN2_MOE_SLIDING)
+    input_ids = tokens(2, 40)
+    close(logits(model, name, input_ids), logits(model, "sdpa", input_ids))
+    lengths = [13, 20, 7]
+    packed = tokens(1, 40, seed=2)
+    expected = [logits(model, "sdpa", part) for part in packed.split(lengths, dim=1)]
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    close(logits(model, name, packed, position_ids=position_ids), torch.cat(expected, dim=1))
+
+
+@pytest.mark.parametrize(
+    "mask_function, window",
+    [
+        (lambda b, h, q, kv: kv <= q, None),
+        (lambda b, h, q, kv: (kv <= q) & (kv > q - 5), 5),
+        (lambda b, h, q, kv: (kv <= q) & (kv > q - 3) & ((kv >= 10) == (q >= 10)), 3),
+    ],
+    ids=["causal", "window", "documents and window"],
+)
+def test_document_mask_reads_the_window(mask_function, window):
+    assert flash_msa_hf.document_mask(2, 20, 20, mask_function=mask_function).window == window
+
+
+def test_document_mask_refuses_other_masks():
+    """Same-parity keys: every token looks like a document of its own by its neighbour, but
+    sees keys two back."""
+    with pytest.raises(ValueError, match="not causal attention within documents"):
+        flash_msa_hf.document_mask(1, 20, 20, mask_function=lambda b, h, q, kv: (kv <= q)
+                                   & (kv % 2 == q % 2))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind, overrides", [("llama", {}), ("qwen2", QWEN2_SLIDING)])
