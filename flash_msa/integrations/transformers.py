@@ -365,11 +365,12 @@ def window_of(attention_mask, sliding_window: int | None) -> int | None:
 
 
 def _documents(attention_mask, kwargs, batch: int, seq_len: int):
-    """int32 [B, S] documents from the DocumentMask, or from position_ids that restart; None
-    for one document per row. An explicit mask raises ValueError."""
-    if isinstance(attention_mask, DocumentMask):
+    """int32 [B, S] documents from the DocumentMask, else from position_ids that restart
+    (transformers leaves packed documents out of the mask when use_cache is on); None for one
+    document per row. An explicit mask raises ValueError."""
+    if isinstance(attention_mask, DocumentMask) and attention_mask.document_ids is not None:
         return attention_mask.document_ids
-    if attention_mask is None:
+    if attention_mask is None or isinstance(attention_mask, DocumentMask):
         return _documents_of_positions(kwargs.get("position_ids"), batch, seq_len)
     kind, shape = type(attention_mask).__name__, list(getattr(attention_mask, "shape", ()))
     raise ValueError(
