@@ -133,11 +133,6 @@ class FlashSparseAttention(_ProjectedAttention):
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
-        if not (isinstance(pattern, BlockLayout) or callable(pattern)):
-            raise TypeError(
-                f"pattern must be a BlockLayout or a builder, got {type(pattern).__name__}"
-            )
-        check_block_size("block_size", block_size)
         check_options(causal, window_size, None, 0.0, deterministic)
         if backend != "auto":
             registry.get(backend)
@@ -148,6 +143,19 @@ class FlashSparseAttention(_ProjectedAttention):
         self.cp_group, self.cp_balance = cp_group, cp_balance
         self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
         self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
+
+    def __setattr__(self, name: str, value) -> None:
+        """pattern and block_size are checked; assigning one of what the cached layouts and
+        plans are built from (pattern, block_size, cp_group, cp_balance) empties the caches."""
+        if name == "pattern" and not (isinstance(value, BlockLayout) or callable(value)):
+            kind = type(value).__name__
+            raise TypeError(f"pattern must be a BlockLayout or a builder, got {kind}")
+        if name == "block_size":
+            check_block_size("block_size", value)
+        super().__setattr__(name, value)
+        if name in ("pattern", "block_size", "cp_group", "cp_balance") and "_plans" in vars(self):
+            self._layouts.clear()
+            self._plans.clear()
 
     def layout_for(self, seq_len: int, device: torch.device) -> BlockLayout:
         if isinstance(self.pattern, BlockLayout):

@@ -45,6 +45,20 @@ def test_layer_accepts_a_fixed_layout_and_caches_builders():
     assert built.layout_for(64, torch.device("cpu")) is built.layout_for(64, torch.device("cpu"))
 
 
+def test_assigning_the_pattern_or_block_size_rebuilds_the_layouts():
+    layer = FlashSparseAttention(32, 2, block_size=16)
+    cpu = torch.device("cpu")
+    assert layer.layout_for(64, cpu).nnz == 10  # causal
+    layer.pattern = functools.partial(patterns.sliding_window, window=16)
+    assert layer.layout_for(64, cpu).nnz == 7
+    layer.block_size = 32
+    assert layer.layout_for(64, cpu).kv_block == 32
+    with pytest.raises(TypeError, match="pattern must be a BlockLayout or a builder, got str"):
+        layer.pattern = "causal"
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        layer.block_size = 100
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
