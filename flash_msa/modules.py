@@ -95,6 +95,13 @@ class _ProjectedAttention(nn.Module):
         return _split_heads(self.qkv_proj(x), [(self.num_heads, self.head_dim), kv_heads, kv_heads])
 
 
+@torch.compiler.disable
+def _built_layout(pattern, seq_len: int, block_size: int, device) -> BlockLayout:
+    """pattern's layout, built eagerly: builders read values off the device, which
+    torch.compile cannot trace (a graph break there; a cached layout needs none)."""
+    return pattern(seq_len, block_size=block_size, device=device)
+
+
 class FlashSparseAttention(_ProjectedAttention):
     """Self-attention over a block-sparse pattern: qkv projection, sparse attention,
     output projection. x [B, S, embed_dim] -> [B, S, embed_dim].
@@ -162,7 +169,7 @@ class FlashSparseAttention(_ProjectedAttention):
             return self.pattern
         key = (seq_len, device)
         if key not in self._layouts:
-            self._layouts[key] = self.pattern(seq_len, block_size=self.block_size, device=device)
+            self._layouts[key] = _built_layout(self.pattern, seq_len, self.block_size, device)
         return self._layouts[key]
 
     def cp_plan_for(self, seq_len: int, device: torch.device) -> distributed.CpPlan:

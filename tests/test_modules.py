@@ -269,6 +269,19 @@ def test_compiled_sparse_layer(backend):
     _compiled_matches_eager(layer, x)
 
 
+def test_compiled_layer_builds_a_new_length_eagerly():
+    """Without fullgraph, a length not seen before builds its layout eagerly at a graph break
+    (inductor cannot trace a builder's device reads)."""
+    torch.manual_seed(0)
+    pattern = functools.partial(patterns.sliding_window, window=16)
+    layer = FlashSparseAttention(32, 2, block_size=16, pattern=pattern).to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    for seq_len in (64, 48):
+        x = torch.randn(1, seq_len, 32, device=DEVICE)
+        assert relative_error(compiled(x), layer(x)) < 1e-5
+
+
 @pytest.mark.parametrize("warmup", [False, True])
 def test_compiled_msa_layer(warmup):
     torch.manual_seed(0)
