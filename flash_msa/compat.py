@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.msa.interface import msa_func
+from flash_msa.msa.interface import msa_func, msa_func_of_rows
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
 
@@ -44,17 +44,6 @@ def _check_top_k(top_k) -> None:
             f"top_k counts tokens: a positive multiple of {KV_BLOCK} (the block size), got "
             f"{top_k!r}; top_k={16 * KV_BLOCK} keeps 16 blocks"
         )
-
-
-def _packed_cu_seqlens(document_ids: torch.Tensor) -> torch.Tensor:
-    """int32 cu_seqlens over the flattened tokens of document ids [rows, S] (checked,
-    non-decreasing along S): a document starts where the id changes and at every row's
-    start."""
-    starts = torch.ones(document_ids.shape, dtype=torch.bool, device=document_ids.device)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    bounds = torch.nonzero(starts.flatten()).flatten()
-    end = torch.tensor([document_ids.numel()], device=bounds.device)
-    return torch.cat([bounds, end]).to(torch.int32)
 
 
 def _check_row_bounds(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -112,18 +101,8 @@ def flash_msa_func(
     tensors = [tensor.transpose(1, 2) for tensor in named.values()]  # [B, S, H, D]
     options = dict(top_k=top_k // KV_BLOCK, kv_block=KV_BLOCK, softmax_scale=scale,
                    proxy_softmax_scale=scale)  # fmt: skip
-    if document_ids is None or batch == 0:
+    if document_ids is None:
         out, kl_loss = msa_func(*tensors, **options)
-        return out.reshape(batch, seq_len, heads_q * head_dim), kl_loss
-    # Documents run packed, rows one after another: a row's blocks of 128 start at its first
-    # token only where S is a multiple of 128, so other rows run one call each.
-    rows = batch if seq_len % KV_BLOCK == 0 else 1
-    outs, kl_losses = [], []
-    for first in range(0, batch, rows):
-        packed = [t[first : first + rows].flatten(0, 1) for t in tensors]  # [rows * S, H, D]
-        cu_seqlens = _packed_cu_seqlens(document_ids[first : first + rows])
-        out, kl_loss = msa_func(*packed, cu_seqlens=cu_seqlens, **options)
-        outs.append(out.reshape(rows, seq_len, heads_q * head_dim))
-        kl_losses.append(kl_loss)
-    # Each call's KL is a mean over as many (row, proxy head, token) terms.
-    return torch.cat(outs), torch.stack(kl_losses).mean()
+    else:
+        out, kl_loss = msa_func_of_rows(*tensors, document_ids=document_ids, **options)
+    return out.reshape(batch, seq_len, heads_q * head_dim), kl_loss

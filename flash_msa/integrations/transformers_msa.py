@@ -33,9 +33,8 @@ from_pretrained fills them in, and the loaded model computes the same logits. A 
 from_pretrained drops the proxy weights.
 
 Packed documents (position_ids that restart, or DataCollatorWithFlattening's cu_seq_lens_q)
-become msa_func's cu_seqlens; a batch of several rows holding documents runs as one packed
-sequence of its rows, whose blocks (multiples of q_block / kv_block of the packed sequence)
-then run across row boundaries, as they run across document boundaries in one row. Padding
+become msa_func's cu_seqlens; the blocks of a row start at its first token and run across
+its document boundaries, so a row computes the same alone or in a batch. Padding
 masks, explicit masks, KV caches (generation), attention dropout, a sliding window shorter
 than the sequence and the options transformers.py refuses raise ValueError naming the fix;
 to generate, switch the model to model.set_attn_implementation("sdpa") (the proxies then
@@ -57,14 +56,19 @@ from flash_msa.integrations.transformers import (
     _documents,
     _packed_cu_seqlens,
     _register,
-    _starts,
     window_of,
 )
 from flash_msa.modules import _check_positive_ints
 from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import FP8, check_score_dtype
-from flash_msa.msa.interface import check_granularity, check_msa_blocks, default_q_block
+from flash_msa.msa.interface import (
+    check_granularity,
+    check_msa_blocks,
+    default_q_block,
+    msa_func_of_rows,
+)
 from flash_msa.rotary import apply_rotary, rotary_tables
+from flash_msa.sequences import document_ids_of
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
 ATTENTION_NAME = "msa"
@@ -459,12 +463,6 @@ def _proxy_heads(module, hidden_states, position_ids, settings) -> tuple:
     return rotated.split([heads - 1, 1], dim=2)
 
 
-def _cu_seqlens_of(document_ids: torch.Tensor) -> torch.Tensor:
-    """int32 [N + 1] of the documents of document_ids [B, S], its rows one after another."""
-    starts = _starts(document_ids).flatten().nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([document_ids.numel()])]).int()
-
-
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -520,19 +518,18 @@ def attention_forward(
         )
     document_ids = _documents(attention_mask, kwargs, batch, seq_len)
     packed = _packed_cu_seqlens(kwargs, batch, seq_len, document_ids)
-    if packed is not None:
-        cu_seqlens = packed[0]
-    else:
-        cu_seqlens = None if document_ids is None else _cu_seqlens_of(document_ids)
+    if packed is not None:  # one row (checked): its documents as cu_seqlens name them
+        document_ids = document_ids_of(packed[0]).view(batch, seq_len)
     q_proxy, k_proxy = _proxy_heads(module, hidden_states, kwargs.get("position_ids"), settings)
     tensors = (q_proxy, k_proxy, *(tensor.transpose(1, 2) for tensor in (query, key, value)))
-    if cu_seqlens is not None:  # [B, S, H, D] -> [B * S, H, D]
-        tensors = (tensor.reshape(batch * seq_len, *tensor.shape[2:]) for tensor in tensors)
-    out, kl_loss = msa_func(
-        *tensors, top_k=settings["top_k"], q_block=settings["q_block"],
-        kv_block=settings["kv_block"], softmax_scale=scaling, cu_seqlens=cu_seqlens,
-        warmup=settings["warmup"], granularity=settings["granularity"],
+    options = dict(
+        top_k=settings["top_k"], q_block=settings["q_block"], kv_block=settings["kv_block"],
+        softmax_scale=scaling, warmup=settings["warmup"], granularity=settings["granularity"],
         score_dtype=SCORE_DTYPES[settings["score_dtype"]],
     )  # fmt: skip
+    if document_ids is None:
+        out, kl_loss = msa_func(*tensors, **options)
+    else:
+        out, kl_loss = msa_func_of_rows(*tensors, document_ids=document_ids, **options)
     setattr(module, _KL_LOSS, kl_loss)
-    return out.view(batch, seq_len, *out.shape[-2:]), None
+    return out, None

@@ -405,3 +405,48 @@ def msa_func(
     if cu_seqlens is not None:
         out = out[0]
     return (out, kl_loss, selection) if return_selection else (out, kl_loss)
+
+
+def msa_func_of_rows(
+    q_proxy: torch.Tensor,
+    k_proxy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    document_ids: torch.Tensor,
+    kv_block: int = 128,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """msa_func over the B rows of [B, S, H, D] tensors holding packed documents, each row's
+    blocks starting at its first token as msa_func's do without documents.
+
+    Args:
+        q_proxy, k_proxy, q, k, v: as msa_func's, [B, S, H, D].
+        document_ids: int [B, S], non-decreasing along S (checked by the caller).
+        kv_block, options: msa_func's (cu_seqlens aside).
+
+    Returns:
+        out [B, S, H_q, D] and kl_loss, the mean over every row's (proxy head, token) terms.
+
+    The rows run packed one after another with cu_seqlens: in one call where S is a
+    multiple of kv_block (every row then starts on a block boundary), else one call a row.
+    """
+    tensors = (q_proxy, k_proxy, q, k, v)
+    batch, seq_len = q.shape[:2]
+    if batch == 0:
+        return msa_func(*tensors, kv_block=kv_block, **options)
+    rows = batch if seq_len % kv_block == 0 else 1
+    outs, kl_losses = [], []
+    for first in range(0, batch, rows):
+        ids = document_ids[first : first + rows]  # [rows, S]
+        starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]  # a document, or a row, begins
+        bounds = starts.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([bounds, bounds.new_tensor([ids.numel()])]).int()
+        packed = [t[first : first + rows].flatten(0, 1) for t in tensors]  # [rows * S, H, D]
+        out, kl_loss = msa_func(*packed, kv_block=kv_block, cu_seqlens=cu_seqlens, **options)
+        outs.append(out.unflatten(0, (rows, seq_len)))
+        kl_losses.append(kl_loss)
+    # Each call's KL is a mean over as many (row, proxy head, token) terms.
+    return torch.cat(outs), torch.stack(kl_losses).mean()

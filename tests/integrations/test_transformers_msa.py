@@ -174,6 +174,21 @@ def test_packed_rows_equal_separate_documents():
     close(msa_hf.collect_kl_loss(model), sum(kl_losses) / 192)
 
 
+def test_rows_compute_in_a_batch_as_they_do_alone():
+    """A row's blocks start at its first token: rows of 80 tokens (not a multiple of
+    kv_block 32) holding packed documents give, sparse, the logits and KL they give alone."""
+    model = converted(top_k=2)
+    input_ids = tokens(2, 80)
+    position_ids = torch.cat([torch.arange(30), torch.arange(50)])[None]
+    alone, kl_losses = [], []
+    for row in input_ids.split(1):
+        alone.append(logits(model, row, position_ids=position_ids))
+        kl_losses.append(msa_hf.collect_kl_loss(model))
+    batched = logits(model, input_ids, position_ids=position_ids.expand(2, -1))
+    close(batched, torch.cat(alone))
+    close(msa_hf.collect_kl_loss(model), sum(kl_losses) / 2)
+
+
 def test_packed_cu_seq_lens_equal_separate_documents_in_warmup():
     model = converted("qwen2", warmup=True)
     documents = [tokens(1, length, seed=seed) for seed, length in enumerate([13, 40, 27])]
