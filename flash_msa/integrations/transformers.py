@@ -486,7 +486,13 @@ def document_mask(
             "the model overlays a custom mask function (or_mask_function / and_mask_function), "
             "which block-sparse attention cannot apply; run it with attn_implementation='sdpa'"
         )
-    if int(q_offset) != 0 or int(kv_offset) != 0 or kv_length != q_length:
+    no_cache = int(q_offset) == 0 and int(kv_offset) == 0
+    if no_cache and attention_mask is not None and attention_mask.shape[-1] != q_length:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[-1]} tokens but the input holds "
+            f"{q_length}: pass a mask of the input's length (or none)"
+        )
+    if not no_cache or kv_length != q_length:
         raise ValueError(
             f"the mask spans {kv_length} keys from {int(kv_offset)} for {q_length} queries from "
             f"{int(q_offset)}: a KV cache holds earlier tokens (generation), which block-sparse "

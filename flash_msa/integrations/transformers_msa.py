@@ -280,6 +280,13 @@ def convert_to_msa(
             f"model must be a transformers PreTrainedModel, got {type(model).__name__}; for a "
             "model of your own use flash_msa.MSAAttention"
         )
+    converted = any(hasattr(module, _KL_LOSS) for module in model.modules())
+    if getattr(model.config, CONFIG_KEY, None) is not None and not converted:
+        raise ValueError(
+            f"the model's config holds MSA settings (config.{CONFIG_KEY}) but its layers have "
+            "no proxy projections: a converted checkpoint loaded by a plain from_pretrained, "
+            "which drops the trained proxies; load it with load_msa_model(path)"
+        )
     heads_q = getattr(model.config, "num_attention_heads", None)
     heads_per_proxy = (  # None where the layers' checks will name what is wrong
         heads_q // num_proxy_heads

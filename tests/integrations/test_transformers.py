@@ -276,6 +276,8 @@ def test_padding_mask_is_refused(name):
     [
         ({"attention_mask": torch.ones(1, 1, 24, 24, dtype=torch.bool)}, "explicit attention mask"),
         ({"output_attentions": True}, "output_attentions"),
+        ({"attention_mask": torch.ones(1, 20)}, "attention_mask covers 20 tokens but the input "
+                                                "holds 24"),
     ],
 )
 def test_unsupported_inputs_are_refused(name, inputs, match):

@@ -217,6 +217,8 @@ def test_save_and_load_round_trip(tmp_path):
     plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="load_msa_model"):
         logits(plain, input_ids)
+    with pytest.raises(ValueError, match=r"holds MSA settings .* load it with load_msa_model"):
+        msa_hf.convert_to_msa(plain, **MSA)  # would start the proxies afresh
     tiny_model().save_pretrained(tmp_path / "unconverted")
     with pytest.raises(ValueError, match="no MSA settings"):
         msa_hf.load_msa_model(tmp_path / "unconverted")
