@@ -171,6 +171,25 @@ def _check_plan(plan) -> None:
     plan.layout.check_unchanged()
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _attention_call(q, k, plan, rank, dropout_p, document_ids, causal, window_size,
+                    collective) -> registry.AttentionCall:  # fmt: skip
+    """What the backend registry chooses by: the rank's local part of the attention."""
+    exchange = plan.exchange(rank, every_block=collective == "allgather")
+    return registry.AttentionCall(
+        device=q.device, dtype=q.dtype, head_dim=q.shape[-1], q_block=plan.layout.q_block,
+        kv_block=plan.layout.kv_block, dropout=dropout_p > 0,
+        documents=document_ids is not None, deterministic=False,
+        element_masks=causal or max(window_size) >= 0, seq_len_q=q.shape[1],
+        seq_len_kv=exchange.own_blocks.numel() * plan.layout.kv_block, batch=q.shape[0],
+        heads_q=q.shape[2], heads_kv=k.shape[2], layout_heads=plan.layout.layout_heads,
+        positions=True,
+    )  # fmt: skip
+
+
 def block_sparse_attn_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,46 +230,57 @@ def block_sparse_attn_cp(
         out [B, S_local, H_q, D] (and lse): this rank's rows. Gradients reach q, k, v of
         this rank's shards.
 
-    Before anything moves, the ranks compare their shards and plans (one all_gather of a
-    few integers): a mismatch raises the same ValueError on every rank, never a hang.
+    Before anything moves, each rank checks its own arguments and the ranks compare their
+    plans, shards, collective, whether dropout is on and whether a graph is built (one
+    all_gather of a few integers): an argument that one rank gets wrong, or passes otherwise
+    than the rest, raises the same error on every rank, never a hang. causal, window_size,
+    softmax_scale and document_ids are each rank's own (document_ids must describe the same
+    documents on every rank).
 
     Examples:
         >>> plan = cp_plan(layout, dist.get_world_size())
         >>> index = plan.token_index(dist.get_rank())
         >>> out = block_sparse_attn_cp(q[:, index], k[:, index], v[:, index], plan, causal=True)
     """
-    _check_plan(plan)
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-    check_tensors(q, k, v)
-    check_options(causal, window_size, softmax_scale, dropout_p, False, return_lse)
-    rank = comm.group_rank(group, plan)
-    # Rank 0's dropout seed is every rank's: the bits match one process's.
-    seed = int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
-    seeds = comm.agree(plan, rank, group, dict(q=q, k=k, v=v), extra=seed)
-    # Shapes agree across ranks from here: every rank raises alike.
-    check_layout_heads(plan.layout, q.shape[0], q.shape[2], k.shape[2])
-    if plan.layout.device != q.device:
-        raise ValueError(
-            f"the plan's layout is on {plan.layout.device} but q on {q.device}: build the plan "
-            "from a layout on the shards' device"
-        )
+    rank = comm.group_rank(group)
+    chosen_backend = None
+
+    def check() -> int:
+        """This rank's checks and its backend; returns its dropout seed (rank 0's is every
+        rank's: the bits match one process's)."""
+        nonlocal chosen_backend
+        _check_plan(plan)
+        comm.check_group_size(plan, group)
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        check_tensors(q, k, v)
+        check_options(causal, window_size, softmax_scale, dropout_p, False, return_lse)
+        check_layout_heads(plan.layout, q.shape[0], q.shape[2], k.shape[2])
+        if plan.layout.device != q.device:
+            raise ValueError(
+                f"the plan's layout is on {plan.layout.device} but q on {q.device}: build the "
+                "plan from a layout on the shards' device"
+            )
+        if document_ids is not None:
+            check_document_ids(document_ids, q.shape[0], plan.layout.seq_len_kv, q.device)
+        local = _attention_call(q, k, plan, rank, dropout_p, document_ids, causal, window_size,
+                                collective)  # fmt: skip
+        chosen_backend = registry.select(local, backend).name
+        return int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
+
+    settings = {
+        "collective (0 all_to_all, 1 allgather)": (
+            COLLECTIVES.index(collective) if collective in COLLECTIVES else -1
+        ),
+        "dropout_p > 0": _is_number(dropout_p) and dropout_p > 0,
+        "requires_grad": comm.requires_grad(q, k, v),
+    }
+    seeds = comm.agree(plan, rank, group, dict(q=q, k=k, v=v), check, settings)
     if document_ids is not None:
-        check_document_ids(document_ids, q.shape[0], plan.layout.seq_len_kv, q.device)
         document_ids = document_ids.to(torch.int32).contiguous()
-    exchange = plan.exchange(rank, every_block=collective == "allgather")
-    call = registry.AttentionCall(
-        device=q.device, dtype=q.dtype, head_dim=q.shape[-1], q_block=plan.layout.q_block,
-        kv_block=plan.layout.kv_block, dropout=dropout_p > 0,
-        documents=document_ids is not None, deterministic=False,
-        element_masks=causal or max(window_size) >= 0, seq_len_q=q.shape[1],
-        seq_len_kv=exchange.own_blocks.numel() * plan.layout.kv_block, batch=q.shape[0],
-        heads_q=q.shape[2], heads_kv=k.shape[2], layout_heads=plan.layout.layout_heads,
-        positions=True,
-    )  # fmt: skip
     longest = plan.layout.seq_len_kv
     call = _Call(
-        plan=plan, rank=rank, group=group, backend=registry.select(call, backend).name,
+        plan=plan, rank=rank, group=group, backend=chosen_backend,
         causal=causal, window_size=tuple(min(side, longest) for side in window_size),
         softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
         else float(softmax_scale),

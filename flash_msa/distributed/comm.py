@@ -8,6 +8,8 @@ dim 0 splits by rank for all_to_all_single, and K (or V) of n blocks reads as a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -20,14 +22,13 @@ import torch.distributed.nn.functional  # noqa: F401
 
 from flash_msa.distributed.plan import CpPlan
 
-# Per-rank facts compared before the first exchange, in this order.
-FACTS = ("world_size", "plan", "seq_len", "batch", "heads_q", "heads_kv", "head_dim", "dtype")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# What each shard tells the other ranks (its tokens, dim 1, are checked against the plan).
+_SHARD_FACTS = ("batch", "heads", "head_dim", "dtype")
 
 
-def group_rank(group: dist.ProcessGroup | None, plan: CpPlan) -> int:
-    """This process's rank in `group` (the default group when None), after checking that the
-    group is as large as the plan; the same error on every rank of a mismatched group."""
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in `group` (the default group when None)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "context parallelism needs torch.distributed: call "
@@ -38,62 +39,114 @@ def group_rank(group: dist.ProcessGroup | None, plan: CpPlan) -> int:
             f"group must be a torch.distributed ProcessGroup (or None: the default group), got "
             f"{type(group).__name__}"
         )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the group it passed")
+    return rank
+
+
+def check_group_size(plan: CpPlan, group) -> None:
     size = dist.get_world_size(group)
     if size != plan.world_size:
         raise ValueError(
             f"the group has {size} ranks but the plan was built for world_size "
             f"{plan.world_size}: build it with cp_plan(layout, {size})"
         )
-    return dist.get_rank(group)
+
+
+def requires_grad(*tensors) -> bool:
+    """Whether the call builds a graph: its backward then runs collectives, on every rank."""
+    return torch.is_grad_enabled() and any(
+        isinstance(tensor, torch.Tensor) and tensor.requires_grad for tensor in tensors
+    )
+
+
+def _shard_facts(tensor: torch.Tensor) -> list[int]:
+    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
+    return [tensor.shape[0], tensor.shape[2], tensor.shape[3], dtype]
+
+
+def _fact_value(name: str, value: int) -> str:
+    """A fact as a message shows it: dtypes by name."""
+    if name.endswith("dtype") and 0 <= value < len(_DTYPES):
+        return str(_DTYPES[value])
+    return str(value)
 
 
 def agree(
-    plan: CpPlan, rank: int, group, shards: dict[str, torch.Tensor], extra: int = 0
+    plan: CpPlan,
+    rank: int,
+    group,
+    shards: dict[str, torch.Tensor],
+    check: Callable[[], int],
+    settings: dict[str, int],
 ) -> list[int]:
-    """Check every rank's shards against the plan and each other, before any exchange.
+    """Check every rank's call before any exchange, so that no rank waits alone in a later
+    collective: the same error on every rank, never a hang.
 
-    One all_gather of a few integers per call: each rank sends its facts (FACTS plus
-    `extra`); every rank then raises the same ValueError naming the rank and the fix if any
-    rank's shards disagree with the plan or another rank's, so no rank waits alone in a
-    later collective. Returns the `extra` value of every rank (rank order).
+    Each rank runs check() (its own checks of its arguments, which returns a value to share,
+    e.g. a dropout seed); then one all_gather of a few integers tells every rank whether each
+    rank's checks passed and, where all did, compares the plans, each shard's batch, heads,
+    head dim and dtype (the shards [B, S_local, H, D]) and `settings` (integers every rank
+    must pass alike). A failed check makes every rank raise that rank's error (its type and
+    message, gathered once); a mismatch raises the same ValueError on every rank.
+
+    Returns every rank's check() value (rank order).
     """
-    q, k = shards["q"], shards["k"]
-    expected = plan.token_index(rank).numel()
-    dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1
-    facts = [plan.world_size, plan.digest(), q.shape[1], q.shape[0], q.shape[2], k.shape[2],
-             q.shape[3], dtype_code, extra]  # fmt: skip
-    mismatch = int(
-        any(t.shape[1] != expected for t in shards.values())
-        or any(t.shape[0] != q.shape[0] for t in shards.values())
-    )
-    mine = torch.tensor([*facts, mismatch], dtype=torch.int64, device=_collective_device(q))
-    gathered = [torch.empty_like(mine) for _ in range(plan.world_size)]
+    failure, shared = None, 0
+    try:
+        shared = check()
+        expected = plan.token_index(rank).numel()
+        mismatch = int(
+            any(t.shape[1] != expected for t in shards.values())
+            or any(t.shape[0] != shards["q"].shape[0] for t in shards.values())
+        )
+        facts = [plan.world_size, plan.digest(), *settings.values(), mismatch]
+        facts += [fact for tensor in shards.values() for fact in _shard_facts(tensor)]
+    except (TypeError, ValueError) as error:
+        failure = error
+        facts = [0] * (3 + len(settings) + len(_SHARD_FACTS) * len(shards))
+    mine = torch.tensor([failure is not None, shared, *facts], dtype=torch.int64,
+                        device=_collective_device(group))  # fmt: skip
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).tolist()  # [w, len(FACTS) + 2]
+    table = torch.stack(gathered).tolist()  # [w, 2 + len(facts)]
+    failed = [other for other, row in enumerate(table) if row[0]]
+    if failed:
+        errors = [None] * len(table)
+        mine = None if failure is None else (type(failure) is TypeError, str(failure))
+        dist.all_gather_object(errors, mine, group=group)
+        type_error, message = errors[failed[0]]
+        raise (TypeError if type_error else ValueError)(f"rank {failed[0]}: {message}") from failure
+    names = ["world_size", "plan", *settings, "shard tokens"]
+    names += [f"{shard} {fact}" for shard in shards for fact in _SHARD_FACTS]
     for other, row in enumerate(table):
-        if row[-1]:
-            tokens = plan.token_index(other).numel()
-            raise ValueError(
-                f"rank {other}'s shards do not match the plan: it holds {tokens} tokens and "
-                f"every shard (q, k, v, ...) must be [B, {tokens}, H, D] with one B; shard "
-                "with x[:, plan.token_index(rank)]"
-            )
-        names = ("world_size", "plan")
-        for index, name in enumerate(FACTS):
-            if name == "seq_len":
-                continue  # checked per rank above
-            if row[index] != table[0][index]:
-                what = "plans" if name in names else f"{name} values"
+        for name, value, first in zip(names, row[2:], table[0][2:], strict=True):
+            if name == "shard tokens" and value:
+                tokens = plan.token_index(other).numel()
                 raise ValueError(
-                    f"ranks 0 and {other} disagree: their {what} differ ({table[0][index]} "
-                    f"and {row[index]}); every rank must pass shards of the same batch, "
-                    "heads, head_dim and dtype, with the plan built from the same layout"
+                    f"rank {other}'s shards do not match the plan: it holds {tokens} tokens and "
+                    f"every shard ({', '.join(shards)}) must be [B, {tokens}, H, D] with one B; "
+                    "shard with x[:, plan.token_index(rank)]"
                 )
-    return [row[len(FACTS)] for row in table]
+            if value != first:
+                what = "plans" if name in ("world_size", "plan") else f"{name} values"
+                shown = "" if name == "plan" else (
+                    f" ({_fact_value(name, first)} and {_fact_value(name, value)})"
+                )
+                raise ValueError(
+                    f"ranks 0 and {other} disagree: their {what} differ{shown}; every rank must "
+                    "pass shards of the same batch, heads, head_dim and dtype, the same options, "
+                    "and the plan built from the same layout"
+                )
+    return [row[1] for row in table]
 
 
-def _collective_device(tensor: torch.Tensor) -> torch.device:
-    return tensor.device if tensor.is_cuda else torch.device("cpu")
+def _collective_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: CUDA for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def kv_blocks(k: torch.Tensor, v: torch.Tensor, blocks: int, kv_block: int) -> torch.Tensor:

@@ -139,6 +139,11 @@ def msa_func_cp(
         sequence, and kl_loss, the whole sequence's KL mean (the same on every rank).
         Backpropagate kl_loss on every rank: each rank's terms get their gradient there.
 
+    Before anything moves, each rank checks its own arguments and the ranks compare their
+    plans, the shapes and dtypes of all five shards and whether a graph is built (one
+    all_gather of a few integers): an argument that one rank gets wrong, or passes otherwise
+    than the rest, raises the same error on every rank, never a hang.
+
     Examples:
         >>> plan = cp_plan(patterns.causal(S, q_block=16, kv_block=128), world, balance="headtail")
         >>> index = plan.token_index(rank)
@@ -146,21 +151,30 @@ def msa_func_cp(
     """
     if q_block is None and isinstance(plan, CpPlan):  # the plan's tiles
         q_block = plan.layout.q_block
-    q_block = check_msa_inputs(
-        q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, None,
-        granularity, score_dtype, warmup,
-    )  # fmt: skip
-    _check_plan(plan, q_block, kv_block)
-    refusal = _env.triton_refusal(q.device, q.dtype)
-    if refusal is not None:
-        reason, error = refusal
-        raise error(f"msa_func_cp: {reason}")
-    rank = comm.group_rank(group, plan)
+    rank = comm.group_rank(group)
+
+    def check() -> int:
+        nonlocal q_block
+        q_block = check_msa_inputs(
+            q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, None,
+            granularity, score_dtype, warmup,
+        )  # fmt: skip
+        _check_plan(plan, q_block, kv_block)
+        comm.check_group_size(plan, group)
+        refusal = _env.triton_refusal(q.device, q.dtype)
+        if refusal is not None:
+            reason, error = refusal
+            raise error(f"msa_func_cp: {reason}")
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, total_tokens=plan.layout.seq_len_kv, device=q.device)
+        return 0
+
+    shards = dict(q=q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy)
+    settings = {"requires_grad": comm.requires_grad(*shards.values())}
+    comm.agree(plan, rank, group, shards, check, settings)
     seq_len = plan.layout.seq_len_kv
-    comm.agree(plan, rank, group, dict(q=q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy))
     document_ids = None
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, total_tokens=seq_len, device=q.device)
         document_ids = document_ids_of(cu_seqlens)[None].expand(q.shape[0], -1).contiguous()
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     proxy_scale = (

@@ -307,6 +307,49 @@ def _bad_inputs(rank, world_size):
         "group must be a torch.distributed ProcessGroup (or None: the default group), got str",
         TypeError,
     )  # fmt: skip
+    failures += _one_rank_differs(rank, world_size, plan, shards)
+    return failures
+
+
+def _one_rank_differs(rank, world_size, plan, shards):
+    """An argument that one rank alone gets wrong, or passes otherwise than the rest: every
+    rank raises the same error (a rank waiting alone in a collective would hang)."""
+    last = rank == world_size - 1
+    options = dict(backend="torch")
+    calls = {
+        "window_size (-2, 0)": (dict(options, window_size=(-2, 0) if last else (-1, -1)),
+                                f"rank {world_size - 1}: window_size must be"),
+        "backend": (dict(backend="nope" if last else "torch"),
+                    f"rank {world_size - 1}: backend must be 'auto' or one of"),
+        "collective": (dict(options, collective="allgather" if last else "all_to_all"),
+                       "their collective (0 all_to_all, 1 allgather) values differ (0 and 1)"),
+        "dropout": (dict(options, dropout_p=0.1 if last else 0.0),
+                    "their dropout_p > 0 values differ (0 and 1)"),
+    }  # fmt: skip
+    failures = []
+    for name, (call_options, message) in calls.items():
+        failures += _expect_error(
+            name, rank, lambda call_options=call_options: block_sparse_attn_cp(
+                *shards, plan, **call_options),
+            message,
+        )  # fmt: skip
+    # Only rank 0 builds a graph: its backward alone would send dK/dV.
+    grads = [t.clone().requires_grad_(rank == 0) for t in shards]
+    failures += _expect_error(
+        "requires_grad", rank, lambda: block_sparse_attn_cp(*grads, plan, **options),
+        "their requires_grad values differ (1 and 0)",
+    )  # fmt: skip
+    # msa_func_cp: the last rank's proxy keys have another head count (their all-gather
+    # would mix up sizes).
+    msa_plan = cp_plan(patterns.causal(SEQ_LEN, q_block=16, kv_block=32), world_size)
+    msa = [
+        torch.zeros(1, msa_plan.token_index(rank).numel(), heads, 16, dtype=torch.float32)
+        for heads in (2, 2 if last else 1, 4, 1, 1)
+    ]
+    failures += _expect_error(
+        "k_proxy heads", rank, lambda: msa_func_cp(*msa, msa_plan, kv_block=32),
+        "their k_proxy heads values differ (1 and 2)",
+    )  # fmt: skip
     return failures
 
 
