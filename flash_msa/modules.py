@@ -37,6 +37,14 @@ def _split_heads(projected: torch.Tensor, heads: list[tuple[int, int]]) -> list[
     ]
 
 
+def _check_cp_group(cp_group) -> None:
+    if cp_group is not None and not isinstance(cp_group, torch.distributed.ProcessGroup):
+        raise TypeError(
+            f"cp_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD after "
+            f"init_process_group) or None, got {type(cp_group).__name__}"
+        )
+
+
 def _check_cp_plan(cp_group, cp_plan) -> None:
     """A layer built with cp_group takes shards and their plan; one without, neither."""
     if cp_group is None and cp_plan is not None:
@@ -147,6 +155,7 @@ class FlashSparseAttention(_ProjectedAttention):
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
         self.deterministic = deterministic
+        _check_cp_group(cp_group)
         self.cp_group, self.cp_balance = cp_group, cp_balance
         self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
         self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
@@ -281,6 +290,7 @@ class MSAAttention(_ProjectedAttention):
         self.granularity, self.score_dtype = granularity, score_dtype
         proxy_dim = (num_proxy_heads + num_proxy_kv_heads) * proxy_head_dim
         self.proxy_proj = nn.Linear(embed_dim, proxy_dim, bias=bias, device=device, dtype=dtype)
+        _check_cp_group(cp_group)
         self.cp_group = cp_group
         self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
 
