@@ -318,10 +318,15 @@ def _packed_cu_seqlens(kwargs, batch: int, seq_len: int, document_ids):
     if cu_seqlens is None:
         return None
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        if kwargs.get(name) is not None and not isinstance(kwargs[name], torch.Tensor):
+        value = kwargs.get(name)
+        if value is not None and not (
+            isinstance(value, torch.Tensor) and not value.is_floating_point()
+            and not value.is_complex() and value.dtype != torch.bool
+        ):  # fmt: skip
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(
                 f"{name} must be an int tensor (as DataCollatorWithFlattening makes it), got "
-                f"{type(kwargs[name]).__name__}; pass torch.tensor(...)"
+                f"{kind}; pass torch.tensor(...) of ints"
             )
     other = kwargs.get("cu_seq_lens_k")
     if other is not None and not torch.equal(other.to(cu_seqlens.device), cu_seqlens):

@@ -218,6 +218,9 @@ def test_packed_cu_seq_lens_equal_separate_sequences(name):
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 10, 48], dtype=torch.int32)
     with pytest.raises(ValueError, match="disagree"):
         logits(model, name, **batch)
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0.0, 13.5, 48.0])
+    with pytest.raises(TypeError, match="cu_seq_lens_q must be an int tensor .* got torch.float32"):
+        logits(model, name, **batch)
 
 
 def test_gradients_equal_sdpa(name):
