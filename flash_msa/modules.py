@@ -69,6 +69,8 @@ class _ProjectedAttention(nn.Module):
             raise ValueError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)"
             )
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r}")
         device = checked_device(device)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(

@@ -137,6 +137,7 @@ def test_layers_refuse_inputs_in_another_dtype_than_their_weights(x):
          "dtype must be None or a floating torch.dtype .*, got torch.int64"),
         (dict(dtype="float32"), TypeError, "dtype must be None or .*, got 'float32'"),
         (dict(cp_group="world"), TypeError, "cp_group must be a torch.distributed ProcessGroup"),
+        (dict(bias="yes"), TypeError, "bias must be a bool, got 'yes'"),
     ],
 )
 def test_layers_name_a_bad_device_or_dtype(layer_class, factory, error, match):
