@@ -233,9 +233,8 @@ def block_sparse_attn_cp(
     Before anything moves, each rank checks its own arguments and the ranks compare their
     plans, shards, collective, whether dropout is on and whether a graph is built (one
     all_gather of a few integers): an argument that one rank gets wrong, or passes otherwise
-    than the rest, raises the same error on every rank, never a hang. causal, window_size,
-    softmax_scale and document_ids are each rank's own (document_ids must describe the same
-    documents on every rank).
+    than the rest, raises the same error on every rank, never a hang; document_ids are
+    compared too. causal, window_size and softmax_scale are each rank's own.
 
     Examples:
         >>> plan = cp_plan(layout, dist.get_world_size())
@@ -274,6 +273,7 @@ def block_sparse_attn_cp(
         ),
         "dropout_p > 0": _is_number(dropout_p) and dropout_p > 0,
         "requires_grad": comm.requires_grad(q, k, v),
+        "document_ids (a fingerprint)": comm.fingerprint(document_ids),
     }
     seeds = comm.agree(plan, rank, group, dict(q=q, k=k, v=v), check, settings)
     if document_ids is not None:

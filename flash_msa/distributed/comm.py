@@ -61,6 +61,19 @@ def requires_grad(*tensors) -> bool:
     )
 
 
+def fingerprint(values) -> int:
+    """An integer that tells tensors of different values apart (almost surely), for ranks to
+    compare what every rank must pass alike: 0 for None, -1 for what is not a tensor of
+    values (each rank's checks then name it)."""
+    if values is None:
+        return 0
+    if not isinstance(values, torch.Tensor) or values.device.type == "meta":
+        return -1
+    flat = values.reshape(-1).long()
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device)
+    return int((flat * weights).sum()) + flat.numel()  # int64 wraps alike on every rank
+
+
 def _shard_facts(tensor: torch.Tensor) -> list[int]:
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
     return [tensor.shape[0], tensor.shape[2], tensor.shape[3], dtype]
@@ -131,7 +144,7 @@ def agree(
                 )
             if value != first:
                 what = "plans" if name in ("world_size", "plan") else f"{name} values"
-                shown = "" if name == "plan" else (
+                shown = "" if name == "plan" or "fingerprint" in name else (
                     f" ({_fact_value(name, first)} and {_fact_value(name, value)})"
                 )
                 raise ValueError(

@@ -140,7 +140,7 @@ def msa_func_cp(
         Backpropagate kl_loss on every rank: each rank's terms get their gradient there.
 
     Before anything moves, each rank checks its own arguments and the ranks compare their
-    plans, the shapes and dtypes of all five shards and whether a graph is built (one
+    plans, the shapes and dtypes of all five shards, cu_seqlens and whether a graph is built (one
     all_gather of a few integers): an argument that one rank gets wrong, or passes otherwise
     than the rest, raises the same error on every rank, never a hang.
 
@@ -170,7 +170,10 @@ def msa_func_cp(
         return 0
 
     shards = dict(q=q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy)
-    settings = {"requires_grad": comm.requires_grad(*shards.values())}
+    settings = {
+        "requires_grad": comm.requires_grad(*shards.values()),
+        "cu_seqlens (a fingerprint)": comm.fingerprint(cu_seqlens),
+    }
     comm.agree(plan, rank, group, shards, check, settings)
     seq_len = plan.layout.seq_len_kv
     document_ids = None

@@ -325,6 +325,8 @@ def _one_rank_differs(rank, world_size, plan, shards):
                        "their collective (0 all_to_all, 1 allgather) values differ (0 and 1)"),
         "dropout": (dict(options, dropout_p=0.1 if last else 0.0),
                     "their dropout_p > 0 values differ (0 and 1)"),
+        "document_ids": (dict(options, document_ids=_documents() if last else None),
+                         "their document_ids (a fingerprint) values differ;"),
     }  # fmt: skip
     failures = []
     for name, (call_options, message) in calls.items():
