@@ -71,7 +71,8 @@ def fingerprint(values) -> int:
         return -1
     flat = values.reshape(-1).long()
     weights = torch.arange(1, flat.numel() + 1, device=flat.device)
-    return int((flat * weights).sum()) + flat.numel()  # int64 wraps alike on every rank
+    total = int((flat * weights).sum())  # int64 wraps alike on every rank
+    return (total + flat.numel()) % (1 << 62)
 
 
 def _shard_facts(tensor: torch.Tensor) -> list[int]:
