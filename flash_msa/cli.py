@@ -647,6 +647,8 @@ def _layout_names(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"unknown layouts {unknown}: choose among {', '.join(BENCH_LAYOUTS)}, comma-separated"
         )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"layouts must be distinct, got {text!r}")
     return names
 
 

@@ -75,6 +75,7 @@ def _option_parsers():
         (["show", "causal", "--out", "/nonexistent/x.png"], "a .png file in an existing folder"),
         (["show", "causal", "--out", "picture"], "a .png file in an existing folder"),
         (["bench", "--out", __file__], "cannot write into folder"),
+        (["bench", "--layouts", "causal,causal"], "layouts must be distinct, got 'causal,causal'"),
         (["niah", "--tiny", "--device", "tpu"], "device must be cpu or cuda[:N], got 'tpu'"),
         (["niah", "--tiny", "--max-minutes", "-1"], "max_minutes must be a number >= 0"),
         (["niah", "--tiny", "--checkpoint-dir", f"{__file__}/sub"], "cannot write into folder"),
