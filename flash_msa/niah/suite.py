@@ -95,13 +95,18 @@ def check_device(variants: list[str], device: torch.device) -> None:
         )
 
 
-def _cached(path: pathlib.Path, settings: dict) -> dict | None:
-    """The results saved at path if they were made with these settings."""
-    if not path.exists():
+def _cached(path: pathlib.Path, settings: dict, meta: dict) -> dict | None:
+    """The results saved at path if they were made with these settings, on this device at
+    this commit (else the finished checkpoint is timed and evaluated again, here)."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or cut short: the checkpoint still holds the work
         return None
-    result = json.loads(path.read_text())
+    if not isinstance(result, dict) or not isinstance(result.get("meta"), dict):
+        return None
     as_saved = json.loads(json.dumps(settings))  # tuples become lists, as in the file
-    return result if result.get("settings") == as_saved else None
+    same_run = all(result["meta"].get(key) == meta[key] for key in ("device", "commit"))
+    return result if same_run and result.get("settings") == as_saved else None
 
 
 def run_suite(
@@ -144,12 +149,15 @@ def run_suite(
     check_device(variants, device)
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     grid_settings = dataclasses.asdict(grid)
+    meta = run_meta(device)
     results, worked = {}, False
     for variant in variants:
         model = NeedleLM(variant, model_config)
-        settings = {**checkpoint_settings(model, needles, train_config), "grid": grid_settings}
+        settings = {
+            **checkpoint_settings(model, needles, train_config, device), "grid": grid_settings
+        }
         results_path = checkpoint_dir / f"{variant}.json"
-        cached = _cached(results_path, settings)
+        cached = _cached(results_path, settings, meta)
         if cached is not None:
             log(f"{variant}: trained and evaluated before ({results_path})")
             results[variant] = cached
@@ -192,9 +200,11 @@ def run_suite(
             settings=settings, records=records, history=state.history,
             train_tokens_per_s=state.tokens_per_second, train_seconds=state.train_seconds,
             tokens=state.tokens, train_step_ms=step_ms, step_len=train_config.train_len,
-            steps=state.step,
+            steps=state.step, meta=meta,
         )  # fmt: skip
-        results_path.write_text(json.dumps(results[variant]) + "\n")
+        partial = results_path.with_name(results_path.name + ".partial")
+        partial.write_text(json.dumps(results[variant]) + "\n")
+        partial.replace(results_path)  # whole or not at all
         mean = sum(r["accuracy"] for r in records) / len(records)
         log(f"{variant}: grid mean accuracy {mean:.1%} ({results_path})")
         del model
@@ -202,7 +212,7 @@ def run_suite(
             torch.cuda.empty_cache()
     paths = write_report(
         out_dir, results, model=model_config, needles=needles, train=train_config, grid=grid,
-        meta=run_meta(device),
+        meta=meta,
     )  # fmt: skip
     log("wrote " + ", ".join(map(str, paths)))
     return True

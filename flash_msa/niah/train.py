@@ -210,9 +210,12 @@ def _optimizer(model: NeedleLM, config: TrainConfig, device: torch.device):
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def checkpoint_settings(model: NeedleLM, needles: NeedleConfig, config: TrainConfig) -> dict:
-    """What a checkpoint must match to be resumed, flat ("model.dim": 512, ...); activation
-    checkpointing and the checkpoint interval may change between runs."""
+def checkpoint_settings(
+    model: NeedleLM, needles: NeedleConfig, config: TrainConfig, device: torch.device
+) -> dict:
+    """What a checkpoint must match to be resumed, flat ("model.dim": 512, ...), with the
+    device type (CUDA trains in bf16 autocast, the CPU in fp32); activation checkpointing and
+    the checkpoint interval may change between runs."""
     groups = dict(model=model.config, train=config, needles=needles)
     settings = {
         f"{group}.{name}": value
@@ -220,7 +223,7 @@ def checkpoint_settings(model: NeedleLM, needles: NeedleConfig, config: TrainCon
         for name, value in dataclasses.asdict(values).items()
     }
     del settings["model.checkpointing"], settings["train.checkpoint_every"]
-    return {"variant": model.variant, **settings}
+    return {"variant": model.variant, "device": device.type, **settings}
 
 
 def save_checkpoint(path: pathlib.Path, model, optimizer, state: TrainState, settings) -> None:
@@ -240,8 +243,14 @@ def save_checkpoint(path: pathlib.Path, model, optimizer, state: TrainState, set
 
 def load_checkpoint(path: pathlib.Path, model, optimizer, settings) -> TrainState:
     """Restore model, optimiser and RNG states from path; the state to continue from."""
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    saved = payload["settings"]
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        saved = payload["settings"]
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ValueError(
+            f"checkpoint {path} is unreadable ({type(error).__name__}: {error}): delete it, or "
+            "pass another checkpoint directory"
+        ) from error
     differences = [
         f"{name}={saved.get(name)!r} (now {settings.get(name)!r})"
         for name in sorted(saved.keys() | settings.keys())
@@ -315,7 +324,7 @@ def train(
             f"{needles.min_length()} tokens; raise min_len or shrink the tasks"
         )
     optimizer = _optimizer(model, config, device)
-    settings = checkpoint_settings(model, needles, config)
+    settings = checkpoint_settings(model, needles, config, device)
     state = TrainState()
     if checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path, model, optimizer, settings)

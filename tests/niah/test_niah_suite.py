@@ -45,6 +45,28 @@ def test_budget_stops_and_the_same_command_resumes(tmp_path, capsys):
     assert records[0]["steps"] == 2
 
 
+def test_results_of_another_commit_are_measured_again(tmp_path, capsys, monkeypatch):
+    """A finished variant's results from another commit (or device) are not reused: its
+    checkpoint is timed and evaluated again; a cut-short results file counts as absent and an
+    unreadable checkpoint is named."""
+    arguments = ["niah", "--tiny", "--variants", "dense", "--checkpoint-dir",
+                 str(tmp_path / "checkpoints"), "--out", str(tmp_path / "results")]  # fmt: skip
+    monkeypatch.setenv("FLASH_MSA_COMMIT", "aaaaaaa")
+    assert main(arguments) == 0
+    monkeypatch.setenv("FLASH_MSA_COMMIT", "bbbbbbb")
+    capsys.readouterr()
+    assert main(arguments) == 0
+    out = capsys.readouterr().out
+    assert "trained and evaluated before" not in out and "(resuming)" in out
+    results = json.loads((tmp_path / "checkpoints" / "dense.json").read_text())
+    assert results["meta"]["commit"] == "bbbbbbb"
+    (tmp_path / "checkpoints" / "dense.json").write_text('{"settings": ')
+    (tmp_path / "checkpoints" / "dense.pt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit):
+        main(arguments)
+    assert "dense.pt is unreadable" in capsys.readouterr().err
+
+
 def test_settings_follow_the_options_then_the_preset():
     model, needles, train, grid = build_configs(tiny=True, dim=32, steps=None)
     assert (model.dim, model.layers, model.vocab_size) == (32, 2, needles.vocab_size)
