@@ -147,6 +147,11 @@ def run_suite(
         ran out first.
     """
     check_device(variants, device)
+    if min(grid.context_lens) < needles.min_length():
+        raise ValueError(
+            f"the grid's context lengths (--context-lens) must hold a sample of every task, "
+            f"at least {needles.min_length()} tokens; got {min(grid.context_lens)}"
+        )
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     grid_settings = dataclasses.asdict(grid)
     meta = run_meta(device)

@@ -93,6 +93,9 @@ def test_refusals(capsys):
     with pytest.raises(SystemExit):
         main(["niah", "--tiny", "--variants", "dense,sparse"])
     assert "unknown variants ['sparse']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # before any variant trains
+        main(["niah", "--tiny", "--variants", "dense", "--context-lens", "20"])
+    assert "(--context-lens) must hold a sample of every task" in capsys.readouterr().err
 
 
 def test_help_names_the_defaults(capsys):
