@@ -126,6 +126,11 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
+    out = pathlib.Path(args.out) if args.out else default_out(device)
+    try:  # before training: a folder it cannot write would lose the run
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {out}: {error.strerror}")
     heads = args.heads or max(1, args.dim // 64)
     kv_heads = args.kv_heads or max(1, heads // 4)
 
@@ -174,8 +179,6 @@ def main() -> None:
         precision="bf16 autocast" if device.type == "cuda" else "fp32 (the CPU)",
         history=state.history,
     )  # fmt: skip
-    out = pathlib.Path(args.out) if args.out else default_out(device)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1) + "\n")
     report = markdown(result)
     (out / f"{NAME}.md").write_text(report)
