@@ -143,7 +143,10 @@ def show(args: argparse.Namespace) -> int:
     }
     layout: BlockLayout = builder(**options)
     if args.out:
-        layout.plot(args.out)
+        try:
+            layout.plot(args.out)
+        except OSError as error:  # a folder this process may not write into after all
+            raise ValueError(f"cannot write {args.out}: {error.strerror or error}") from error
         print(f"{layout}\nwrote {args.out}")
     else:
         picture = layout.show(max_blocks=args.max_blocks)

@@ -74,6 +74,7 @@ def _option_parsers():
         (["demo", "--block-size", "100"], "block_size 100 is not one of (16, 32, 64, 128)"),
         (["show", "causal", "--out", "/nonexistent/x.png"], "a .png file in an existing folder"),
         (["show", "causal", "--out", "picture"], "a .png file in an existing folder"),
+        (["show", "causal", "--out", "/proc/x.png"], "cannot write /proc/x.png"),
         (["bench", "--out", __file__], "cannot write into folder"),
         (["bench", "--layouts", "causal,causal"], "layouts must be distinct, got 'causal,causal'"),
         (["niah", "--tiny", "--device", "tpu"], "device must be cpu or cuda[:N], got 'tpu'"),
