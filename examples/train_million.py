@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import resource
 import tempfile
@@ -35,6 +36,7 @@ import time
 import torch
 
 from flash_msa.bench import parse_length
+from flash_msa.layout import checked_device
 from flash_msa.niah import ModelConfig, NeedleConfig, NeedleLM, TrainConfig, init_parameters, train
 from flash_msa.niah.report import run_meta
 
@@ -125,25 +127,29 @@ def main() -> None:
         "resumes from it (default: a temporary file, removed at the end)",
     )  # fmt: skip
     args = parser.parse_args()
-    device = torch.device(args.device)
+    if args.max_minutes is not None and not 0 <= args.max_minutes < math.inf:
+        parser.error(f"--max-minutes must be a number >= 0, got {args.max_minutes}")
+    heads = args.heads or max(1, args.dim // 64)
+    kv_heads = args.kv_heads or max(1, heads // 4)
+    try:  # the settings are checked before anything runs: one error line, no traceback
+        device = checked_device(args.device)
+        needles = NeedleConfig()
+        model_config = ModelConfig(
+            vocab_size=needles.vocab_size, layers=args.layers, dim=args.dim, heads=heads,
+            kv_heads=kv_heads, granularity=args.granularity, checkpointing=True,
+        )  # fmt: skip
+        config = TrainConfig(
+            steps=args.steps, train_len=args.seq_len, min_len=args.seq_len, batch=1,
+            lr=args.lr, lr_warmup=max(1, min(100, args.steps // 10)), msa_warmup=0.0,
+            curriculum=0.0, checkpoint_every=args.steps, seed=args.seed,
+        )  # fmt: skip
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
     out = pathlib.Path(args.out) if args.out else default_out(device)
     try:  # before training: a folder it cannot write would lose the run
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         parser.error(f"--out {out}: {error.strerror}")
-    heads = args.heads or max(1, args.dim // 64)
-    kv_heads = args.kv_heads or max(1, heads // 4)
-
-    needles = NeedleConfig()
-    model_config = ModelConfig(
-        vocab_size=needles.vocab_size, layers=args.layers, dim=args.dim, heads=heads,
-        kv_heads=kv_heads, granularity=args.granularity, checkpointing=True,
-    )  # fmt: skip
-    config = TrainConfig(
-        steps=args.steps, train_len=args.seq_len, min_len=args.seq_len, batch=1, lr=args.lr,
-        lr_warmup=max(1, min(100, args.steps // 10)), msa_warmup=0.0, curriculum=0.0,
-        checkpoint_every=args.steps, seed=args.seed,
-    )  # fmt: skip
     model = NeedleLM("msa", model_config)
     init_parameters(model, args.seed)
     model.to(device)
