@@ -97,7 +97,7 @@ def flash_msa_func(
     elif cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, total_tokens=batch * seq_len, device=q.device)
         _check_row_bounds(cu_seqlens, batch, seq_len)
-        document_ids = document_ids_of(cu_seqlens).view(batch, seq_len)
+        document_ids = document_ids_of(cu_seqlens, check=False).view(batch, seq_len)
     tensors = [tensor.transpose(1, 2) for tensor in named.values()]  # [B, S, H, D]
     options = dict(top_k=top_k // KV_BLOCK, kv_block=KV_BLOCK, softmax_scale=scale,
                    proxy_softmax_scale=scale)  # fmt: skip

@@ -47,14 +47,37 @@ def check_cu_seqlens(
         )
 
 
-def document_ids_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
+def document_ids_of(cu_seqlens: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """int32 [T]: the document of each packed token (empty documents own no token), from
-    cu_seqlens int32 [N + 1] (checked: starts at 0, non-decreasing)."""
-    check_cu_seqlens(cu_seqlens)
+    cu_seqlens int32 [N + 1], checked (starts at 0, non-decreasing) unless check is False
+    (callers that checked it already)."""
+    if check:
+        check_cu_seqlens(cu_seqlens)
     total = int(cu_seqlens[-1])
     positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     boundaries = cu_seqlens.contiguous()  # a strided view works, but searchsorted warns
     return (torch.searchsorted(boundaries, positions, right=True) - 1).int()
+
+
+def document_begins(document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [..., S]: where a document begins in document_ids [..., S] (non-decreasing along
+    S), the first token of every row included."""
+    begins = torch.ones_like(document_ids, dtype=torch.bool)
+    begins[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    return begins
+
+
+def document_first_tokens(document_ids: torch.Tensor) -> torch.Tensor:
+    """int64 [..., S]: the position of the first token of each token's document."""
+    positions = torch.arange(document_ids.shape[-1], device=document_ids.device)
+    return torch.where(document_begins(document_ids), positions, 0).cummax(dim=-1).values
+
+
+def cu_seqlens_of(document_ids: torch.Tensor) -> torch.Tensor:
+    """int32 [N + 1]: the documents of document_ids [B, S] with its rows one after another
+    (every row starts a document): document_ids_of's inverse."""
+    bounds = document_begins(document_ids).flatten().nonzero().flatten()
+    return torch.cat([bounds, bounds.new_tensor([document_ids.numel()])]).int()
 
 
 def check_document_ids(document_ids: torch.Tensor, batch: int, seq_len: int, device) -> None:

@@ -178,7 +178,8 @@ def msa_func_cp(
     seq_len = plan.layout.seq_len_kv
     document_ids = None
     if cu_seqlens is not None:
-        document_ids = document_ids_of(cu_seqlens)[None].expand(q.shape[0], -1).contiguous()
+        ids = document_ids_of(cu_seqlens, check=False)  # checked above, on every rank
+        document_ids = ids[None].expand(q.shape[0], -1).contiguous()
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     proxy_scale = (
         1.0 / math.sqrt(q_proxy.shape[-1]) if proxy_softmax_scale is None else proxy_softmax_scale

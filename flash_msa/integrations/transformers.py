@@ -31,6 +31,7 @@ import torch
 from flash_msa import patterns
 from flash_msa.layout import BlockLayout, checked_device
 from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
+from flash_msa.sequences import document_begins, document_first_tokens
 
 # The name models pass as attn_implementation. transformers (5.x) takes every name holding
 # "flash" for a FlashAttention kernel and tries to load it from the Hub, so it cannot hold it.
@@ -294,12 +295,6 @@ def _check_options(module, query, key, value, is_causal, sliding_window, kwargs)
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
-def _starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """bool [..., S]: where a document begins."""
-    first = torch.ones_like(document_ids[..., :1], dtype=torch.bool)
-    return torch.cat([first, document_ids[..., 1:] != document_ids[..., :-1]], dim=-1)
-
-
 def _documents_of_positions(position_ids, batch: int, seq_len: int):
     """int32 [B, S] documents where position_ids restart (a step other than +1), or None."""
     if position_ids is None or seq_len < 2:
@@ -347,7 +342,7 @@ def _packed_cu_seqlens(kwargs, batch: int, seq_len: int, document_ids):
     if document_ids is not None and cu_seqlens.numel() > 1 and int(cu_seqlens[-1]) == seq_len:
         boundaries = torch.zeros(seq_len, dtype=torch.bool, device=cu_seqlens.device)
         boundaries[cu_seqlens[:-1][cu_seqlens[:-1] < seq_len].long()] = True
-        if not torch.equal(boundaries, _starts(document_ids[0]).to(boundaries.device)):
+        if not torch.equal(boundaries, document_begins(document_ids[0]).to(boundaries.device)):
             raise ValueError(
                 "cu_seq_lens_q and the position_ids disagree on where the packed documents "
                 "start; pass both from one collator (DataCollatorWithFlattening)"
@@ -542,7 +537,7 @@ def _window_in_mask(keeps, positions: torch.Tensor, document_ids) -> int | None:
     tokens = positions.expand(*keeps(positions, positions).shape)  # [B, S]
     first = torch.zeros_like(tokens)  # [B, S]: the first token of each query's document
     if document_ids is not None:
-        first = torch.where(_starts(document_ids), tokens, 0).cummax(-1).values
+        first = document_first_tokens(document_ids)
     blind = ~keeps(tokens, first)  # queries that do not see their document's first key
     window = int((tokens - first)[blind].min()) if bool(blind.any()) else None
     lowest = first if window is None else torch.maximum(first, tokens - window + 1)

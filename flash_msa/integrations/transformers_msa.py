@@ -68,7 +68,6 @@ from flash_msa.msa.interface import (
     msa_func_of_rows,
 )
 from flash_msa.rotary import apply_rotary, rotary_tables
-from flash_msa.sequences import document_ids_of
 
 # The attn_implementation of a converted model (no "flash": see transformers.ATTENTION_NAME).
 ATTENTION_NAME = "msa"
@@ -525,8 +524,6 @@ def attention_forward(
         )
     document_ids = _documents(attention_mask, kwargs, batch, seq_len)
     packed = _packed_cu_seqlens(kwargs, batch, seq_len, document_ids)
-    if packed is not None:  # one row (checked): its documents as cu_seqlens name them
-        document_ids = document_ids_of(packed[0]).view(batch, seq_len)
     q_proxy, k_proxy = _proxy_heads(module, hidden_states, kwargs.get("position_ids"), settings)
     tensors = (q_proxy, k_proxy, *(tensor.transpose(1, 2) for tensor in (query, key, value)))
     options = dict(
@@ -534,7 +531,10 @@ def attention_forward(
         softmax_scale=scaling, warmup=settings["warmup"], granularity=settings["granularity"],
         score_dtype=SCORE_DTYPES[settings["score_dtype"]],
     )  # fmt: skip
-    if document_ids is None:
+    if packed is not None:  # one row (checked), its documents as cu_seqlens name them
+        out, kl_loss = msa_func(*(t[0] for t in tensors), cu_seqlens=packed[0], **options)
+        out = out[None]
+    elif document_ids is None:
         out, kl_loss = msa_func(*tensors, **options)
     else:
         out, kl_loss = msa_func_of_rows(*tensors, document_ids=document_ids, **options)

@@ -18,7 +18,7 @@ from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.ops.triton import MIN_TILE_ROWS
 from flash_msa.ops.triton.configs import largest_power_of_two_dividing
 from flash_msa.patterns._build import diagonal_total
-from flash_msa.sequences import check_cu_seqlens, document_ids_of
+from flash_msa.sequences import check_cu_seqlens, cu_seqlens_of, document_ids_of
 
 GRANULARITIES = ("token", "block")
 # q_block by default: block's selection unit; token's main attention tile (16 tokens, GQA-
@@ -382,7 +382,7 @@ def msa_func(
     document_ids = None
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], device=q.device)
-        document_ids = document_ids_of(cu_seqlens)[None]  # [1, T]
+        document_ids = document_ids_of(cu_seqlens, check=False)[None]  # [1, T]
         q_proxy, k_proxy, q, k, v = (t.unsqueeze(0) for t in (q_proxy, k_proxy, q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     proxy_scale = (
@@ -439,11 +439,7 @@ def msa_func_of_rows(
     rows = batch if seq_len % kv_block == 0 else 1
     outs, kl_losses = [], []
     for first in range(0, batch, rows):
-        ids = document_ids[first : first + rows]  # [rows, S]
-        starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]  # a document, or a row, begins
-        bounds = starts.flatten().nonzero().flatten()
-        cu_seqlens = torch.cat([bounds, bounds.new_tensor([ids.numel()])]).int()
+        cu_seqlens = cu_seqlens_of(document_ids[first : first + rows])
         packed = [t[first : first + rows].flatten(0, 1) for t in tensors]  # [rows * S, H, D]
         out, kl_loss = msa_func(*packed, kv_block=kv_block, cu_seqlens=cu_seqlens, **options)
         outs.append(out.unflatten(0, (rows, seq_len)))

@@ -47,7 +47,7 @@ from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import element_offsets, load_rows, packed_rows, strides
 from flash_msa.patterns.topk import check_query_blocks
-from flash_msa.sequences import check_document_ids
+from flash_msa.sequences import check_document_ids, document_first_tokens
 
 MAX_PACK = 4  # proxy heads per program: a 64-row tile still spans 16 tokens
 MAX_MASK_QUERIES = 64  # query_masks are int64: one bit per query of a tile
@@ -242,15 +242,6 @@ def _check(q_proxy, k_proxy, top_k, kv_block, proxy_softmax_scale, local: bool) 
     check_softmax_scale("proxy_softmax_scale", proxy_softmax_scale)
 
 
-def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """int32 [B, S]: the first position of each token's document (document_ids [B, S],
-    non-decreasing along S)."""
-    positions = torch.arange(document_ids.shape[1], device=document_ids.device)
-    begins = torch.ones_like(document_ids, dtype=torch.bool)
-    begins[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return torch.where(begins, positions, 0).cummax(dim=1).values.int()
-
-
 @torch.library.custom_op("flash_msa::select_tokens", mutates_args={"selected"})
 @_env.on_tensor_device
 def _select_tokens(
@@ -362,7 +353,7 @@ def select_tokens(
     if document_ids is not None:
         check_document_ids(document_ids, batch, seq_len_kv, q_proxy.device)
         document_ids = document_ids.to(torch.int32).contiguous()
-        starts = _document_starts(document_ids)
+        starts = document_first_tokens(document_ids).int()  # [B, S]
     k_scales = None
     if score_dtype == FP8:
         q_proxy, _, k_proxy, k_scales = quantize_proxies(q_proxy, k_proxy, kv_block)
