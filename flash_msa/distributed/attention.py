@@ -27,6 +27,10 @@ from flash_msa.ops.interface import check_layout_heads, check_options, check_ten
 from flash_msa.sequences import check_document_ids
 
 COLLECTIVES = ("all_to_all", "allgather")
+# What every rank must pass alike besides the plan and the shards' shapes, as the agreement
+# names it.
+SETTINGS = ("collective (0 all_to_all, 1 allgather)", "dropout_p > 0", "requires_grad",
+            "document_ids (a fingerprint)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -171,10 +175,6 @@ def _check_plan(plan) -> None:
     plan.layout.check_unchanged()
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _attention_call(q, k, plan, rank, dropout_p, document_ids, causal, window_size,
                     collective) -> registry.AttentionCall:  # fmt: skip
     """What the backend registry chooses by: the rank's local part of the attention."""
@@ -244,9 +244,9 @@ def block_sparse_attn_cp(
     rank = comm.group_rank(group)
     chosen_backend = None
 
-    def check() -> int:
+    def check() -> tuple[int, list[int]]:
         """This rank's checks and its backend; returns its dropout seed (rank 0's is every
-        rank's: the bits match one process's)."""
+        rank's: the bits match one process's) and its SETTINGS."""
         nonlocal chosen_backend
         _check_plan(plan)
         comm.check_group_size(plan, group)
@@ -265,17 +265,12 @@ def block_sparse_attn_cp(
         local = _attention_call(q, k, plan, rank, dropout_p, document_ids, causal, window_size,
                                 collective)  # fmt: skip
         chosen_backend = registry.select(local, backend).name
-        return int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
+        seed = int(torch.randint(2**31 - 1, ())) if dropout_p > 0 else 0
+        settings = [COLLECTIVES.index(collective), dropout_p > 0, comm.requires_grad(q, k, v),
+                    comm.fingerprint(document_ids)]  # fmt: skip
+        return seed, settings
 
-    settings = {
-        "collective (0 all_to_all, 1 allgather)": (
-            COLLECTIVES.index(collective) if collective in COLLECTIVES else -1
-        ),
-        "dropout_p > 0": _is_number(dropout_p) and dropout_p > 0,
-        "requires_grad": comm.requires_grad(q, k, v),
-        "document_ids (a fingerprint)": comm.fingerprint(document_ids),
-    }
-    seeds = comm.agree(plan, rank, group, dict(q=q, k=k, v=v), check, settings)
+    seeds = comm.agree(plan, rank, group, dict(q=q, k=k, v=v), SETTINGS, check)
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
     longest = plan.layout.seq_len_kv

@@ -54,21 +54,16 @@ def check_group_size(plan: CpPlan, group) -> None:
         )
 
 
-def requires_grad(*tensors) -> bool:
+def requires_grad(*tensors: torch.Tensor) -> bool:
     """Whether the call builds a graph: its backward then runs collectives, on every rank."""
-    return torch.is_grad_enabled() and any(
-        isinstance(tensor, torch.Tensor) and tensor.requires_grad for tensor in tensors
-    )
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
-def fingerprint(values) -> int:
-    """An integer that tells tensors of different values apart (almost surely), for ranks to
-    compare what every rank must pass alike: 0 for None, -1 for what is not a tensor of
-    values (each rank's checks then name it)."""
+def fingerprint(values: torch.Tensor | None) -> int:
+    """An integer that tells checked int tensors of different values apart (almost surely),
+    for ranks to compare what every rank must pass alike; 0 for None."""
     if values is None:
         return 0
-    if not isinstance(values, torch.Tensor) or values.device.type == "meta":
-        return -1
     flat = values.reshape(-1).long()
     weights = torch.arange(1, flat.numel() + 1, device=flat.device)
     total = int((flat * weights).sum())  # int64 wraps alike on every rank
@@ -92,30 +87,31 @@ def agree(
     rank: int,
     group,
     shards: dict[str, torch.Tensor],
-    check: Callable[[], int],
-    settings: dict[str, int],
+    settings: tuple[str, ...],
+    check: Callable[[], tuple[int, list[int]]],
 ) -> list[int]:
     """Check every rank's call before any exchange, so that no rank waits alone in a later
     collective: the same error on every rank, never a hang.
 
-    Each rank runs check() (its own checks of its arguments, which returns a value to share,
-    e.g. a dropout seed); then one all_gather of a few integers tells every rank whether each
+    Each rank runs check(): its own checks of its arguments, which return a value to share
+    (e.g. a dropout seed) and the values of `settings` (integers every rank must pass alike,
+    named in that order). Then one all_gather of a few integers tells every rank whether each
     rank's checks passed and, where all did, compares the plans, each shard's batch, heads,
-    head dim and dtype (the shards [B, S_local, H, D]) and `settings` (integers every rank
-    must pass alike). A failed check makes every rank raise that rank's error (its type and
-    message, gathered once); a mismatch raises the same ValueError on every rank.
+    head dim and dtype (the shards [B, S_local, H, D]) and the settings. A failed check makes
+    every rank raise that rank's error (its type and message, gathered once); a mismatch
+    raises the same ValueError on every rank.
 
     Returns every rank's check() value (rank order).
     """
     failure, shared = None, 0
     try:
-        shared = check()
+        shared, values = check()
         expected = plan.token_index(rank).numel()
         mismatch = int(
             any(t.shape[1] != expected for t in shards.values())
             or any(t.shape[0] != shards["q"].shape[0] for t in shards.values())
         )
-        facts = [plan.world_size, plan.digest(), *settings.values(), mismatch]
+        facts = [plan.world_size, plan.digest(), *values, mismatch]
         facts += [fact for tensor in shards.values() for fact in _shard_facts(tensor)]
     except (TypeError, ValueError) as error:
         failure = error

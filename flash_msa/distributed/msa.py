@@ -153,7 +153,7 @@ def msa_func_cp(
         q_block = plan.layout.q_block
     rank = comm.group_rank(group)
 
-    def check() -> int:
+    def check() -> tuple[int, list[int]]:
         nonlocal q_block
         q_block = check_msa_inputs(
             q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, None,
@@ -167,14 +167,10 @@ def msa_func_cp(
             raise error(f"msa_func_cp: {reason}")
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, total_tokens=plan.layout.seq_len_kv, device=q.device)
-        return 0
+        return 0, [comm.requires_grad(*shards.values()), comm.fingerprint(cu_seqlens)]
 
     shards = dict(q=q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy)
-    settings = {
-        "requires_grad": comm.requires_grad(*shards.values()),
-        "cu_seqlens (a fingerprint)": comm.fingerprint(cu_seqlens),
-    }
-    comm.agree(plan, rank, group, shards, check, settings)
+    comm.agree(plan, rank, group, shards, ("requires_grad", "cu_seqlens (a fingerprint)"), check)
     seq_len = plan.layout.seq_len_kv
     document_ids = None
     if cu_seqlens is not None:
