@@ -154,13 +154,13 @@ class FlashSparseAttention(_ProjectedAttention):
         if backend != "auto":
             registry.get(backend)
         check_balance(cp_balance, "cp_balance")
+        _check_cp_group(cp_group)
+        self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
+        self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
         self.block_size, self.pattern = block_size, pattern
         self.causal, self.window_size, self.backend = causal, window_size, backend
         self.deterministic = deterministic
-        _check_cp_group(cp_group)
         self.cp_group, self.cp_balance = cp_group, cp_balance
-        self._layouts: dict[tuple[int, torch.device], BlockLayout] = {}
-        self._plans: dict[tuple[int, torch.device], distributed.CpPlan] = {}
 
     def __setattr__(self, name: str, value) -> None:
         """pattern and block_size are checked; assigning one of what the cached layouts and
@@ -171,7 +171,7 @@ class FlashSparseAttention(_ProjectedAttention):
         if name == "block_size":
             check_block_size("block_size", value)
         super().__setattr__(name, value)
-        if name in ("pattern", "block_size", "cp_group", "cp_balance") and "_plans" in vars(self):
+        if name in ("pattern", "block_size", "cp_group", "cp_balance"):
             self._layouts.clear()
             self._plans.clear()
 
