@@ -526,15 +526,15 @@ def document_mask(
     if bool(starts.any()):
         zeros = torch.zeros_like(starts[:, :1])
         document_ids = torch.cat([zeros, starts], dim=-1).cumsum(-1).int()
-    return DocumentMask(document_ids, _window_in_mask(keeps, positions, document_ids))
+    tokens = positions.expand(batch_size, q_length)  # [B, S]
+    return DocumentMask(document_ids, _window_in_mask(keeps, tokens, document_ids))
 
 
-def _window_in_mask(keeps, positions: torch.Tensor, document_ids) -> int | None:
+def _window_in_mask(keeps, tokens: torch.Tensor, document_ids) -> int | None:
     """The sliding window a causal mask holds: W where query i sees the keys i - W < j <= i of
     its document, None where every query sees its whole document up to itself. A mask found
     to be neither (probed at each query's window edge and at keys of earlier documents)
-    raises ValueError."""
-    tokens = positions.expand(*keeps(positions, positions).shape)  # [B, S]
+    raises ValueError. tokens: the positions [B, S]."""
     first = torch.zeros_like(tokens)  # [B, S]: the first token of each query's document
     if document_ids is not None:
         first = document_first_tokens(document_ids)

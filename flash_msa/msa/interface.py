@@ -415,7 +415,7 @@ def msa_func_of_rows(
     v: torch.Tensor,
     *,
     document_ids: torch.Tensor,
-    kv_block: int = 128,
+    kv_block: int,
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """msa_func over the B rows of [B, S, H, D] tensors holding packed documents, each row's
