@@ -59,6 +59,13 @@ def document_ids_of(cu_seqlens: torch.Tensor, *, check: bool = True) -> torch.Te
     return (torch.searchsorted(boundaries, positions, right=True) - 1).int()
 
 
+def document_ids_of_starts(starts: torch.Tensor) -> torch.Tensor:
+    """int32 [..., S]: document ids numbered from 0 in each row, from bool starts [..., S - 1]
+    (True where token t + 1 begins a new document)."""
+    zeros = torch.zeros_like(starts[..., :1])
+    return torch.cat([zeros, starts], dim=-1).cumsum(-1).int()
+
+
 def document_begins(document_ids: torch.Tensor) -> torch.Tensor:
     """bool [..., S]: where a document begins in document_ids [..., S] (non-decreasing along
     S), the first token of every row included."""

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from flash_msa.layout import BlockLayout
-from flash_msa.patterns._build import diagonals
+from flash_msa.patterns._build import diagonals, is_int
 
 BALANCES = ("auto", "contiguous", "headtail")
 
@@ -101,10 +101,6 @@ def _column_subset(layout: BlockLayout, keep: torch.Tensor, slot_of: torch.Tenso
     )
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_layout(layout) -> None:
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
@@ -125,7 +121,7 @@ def _check_layout(layout) -> None:
 
 
 def _check_world_size(world_size, layout: BlockLayout) -> None:
-    if not _is_int(world_size):
+    if not is_int(world_size):
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -140,7 +136,7 @@ def _check_world_size(world_size, layout: BlockLayout) -> None:
 
 
 def _check_rank(rank, world_size: int) -> None:
-    if not _is_int(rank):
+    if not is_int(rank):
         raise TypeError(f"rank must be an int, got {rank!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}) for this plan, got {rank}")
@@ -424,7 +420,7 @@ class CpPlan:
         - tokens: tokens the rank holds.
         """
         for name, value in (("heads_kv", heads_kv), ("head_dim", head_dim)):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(

@@ -31,7 +31,7 @@ import torch
 from flash_msa import patterns
 from flash_msa.layout import BlockLayout, checked_device
 from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
-from flash_msa.sequences import document_begins, document_first_tokens
+from flash_msa.sequences import document_begins, document_first_tokens, document_ids_of_starts
 
 # The name models pass as attn_implementation. transformers (5.x) takes every name holding
 # "flash" for a FlashAttention kernel and tries to load it from the Hub, so it cannot hold it.
@@ -303,8 +303,7 @@ def _documents_of_positions(position_ids, batch: int, seq_len: int):
     starts = torch.diff(position_ids, dim=-1) != 1
     if not bool(starts.any()):
         return None
-    zeros = torch.zeros_like(starts[:, :1])
-    return torch.cat([zeros, starts], dim=-1).cumsum(-1).int()
+    return document_ids_of_starts(starts)
 
 
 def _packed_cu_seqlens(kwargs, batch: int, seq_len: int, document_ids):
@@ -522,10 +521,7 @@ def document_mask(
             "attn_implementation='sdpa'"
         )
     starts = ~keeps(positions[:, 1:], positions[:, :-1])  # [B, S - 1]
-    document_ids = None
-    if bool(starts.any()):
-        zeros = torch.zeros_like(starts[:, :1])
-        document_ids = torch.cat([zeros, starts], dim=-1).cumsum(-1).int()
+    document_ids = document_ids_of_starts(starts) if bool(starts.any()) else None
     tokens = positions.expand(batch_size, q_length)  # [B, S]
     return DocumentMask(document_ids, _window_in_mask(keeps, tokens, document_ids))
 

@@ -10,6 +10,7 @@ import torch
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops import registry
 from flash_msa.ops.custom_op import sparse_attention
+from flash_msa.patterns._build import is_int
 from flash_msa.sequences import check_cu_seqlens, check_document_ids, document_ids_of
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: torch only
@@ -17,10 +18,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float6
 # inputs of unit scale). Up to it, no fp16 input overflows them (|q.k| <= 256 * 65504^2).
 MAX_SOFTMAX_SCALE = 1e4
 MASK_BITS = 64  # query masks: one int64 word per active pair, one bit per query row
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -109,7 +106,7 @@ def _check_positions(positions, layout: BlockLayout, q: torch.Tensor) -> None:
             f"{type(positions).__name__}"
         )
     seq_len = positions.seq_len
-    if not _is_int(seq_len) or seq_len < 1:
+    if not is_int(seq_len) or seq_len < 1:
         raise ValueError(
             f"positions.seq_len must be a positive int (the global sequence length), got "
             f"{seq_len!r}"
@@ -239,7 +236,7 @@ def check_options(
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(_is_int(w) and w >= -1 for w in window_size)
+        or not all(is_int(w) and w >= -1 for w in window_size)
     ):
         raise ValueError(
             f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}"
@@ -418,7 +415,7 @@ def block_sparse_attn_varlen_func(
     check_tensors(*(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
     if positions is None and q.shape[0] != k.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k, v have {k.shape[0]}; pack them alike")
-    if not _is_int(max_seqlen) or max_seqlen < 0:
+    if not is_int(max_seqlen) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
     if positions is None:
         check_cu_seqlens(cu_seqlens, total_tokens=q.shape[0], max_seqlen=max_seqlen,

@@ -60,6 +60,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flash_msa import _env
 from flash_msa.layout import heavy_rows_first
 from flash_msa.ops.triton.common import mask_arguments
+from flash_msa.patterns._build import is_int
 
 BLOCK_M = 128  # query rows of one program
 HALF_M = 64  # query rows of one consumer warpgroup
@@ -844,7 +845,7 @@ def _check(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not (
         isinstance(window_size, tuple) and len(window_size) == 2
-        and all(isinstance(side, int) and not isinstance(side, bool) for side in window_size)
+        and all(is_int(side) for side in window_size)
     ):  # fmt: skip
         raise ValueError(f"window_size must be a tuple of two ints (left, right), got "
                          f"{window_size!r}")  # fmt: skip
@@ -942,9 +943,7 @@ def _check(
     reason = packing_refusal(q_block, heads_q, heads_kv, layout_heads)
     if reason is not None:
         raise ValueError(reason)
-    if programs is not None and not (
-        isinstance(programs, int) and not isinstance(programs, bool) and programs > 0
-    ):  # fmt: skip
+    if programs is not None and not (is_int(programs) and programs > 0):
         raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     if num_stages not in (2, 3, 4):
         raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
