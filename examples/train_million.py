@@ -129,11 +129,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_minutes is not None and not 0 <= args.max_minutes < math.inf:
         parser.error(f"--max-minutes must be a number >= 0, got {args.max_minutes}")
+    needles = NeedleConfig()
+    if args.seq_len < needles.min_length():  # before TrainConfig, which calls it train_len
+        parser.error(
+            f"--seq-len {args.seq_len} cannot hold a needle sample: pass "
+            f"{needles.min_length()} tokens or more"
+        )
     heads = args.heads or max(1, args.dim // 64)
     kv_heads = args.kv_heads or max(1, heads // 4)
     try:  # the settings are checked before anything runs: one error line, no traceback
         device = checked_device(args.device)
-        needles = NeedleConfig()
         model_config = ModelConfig(
             vocab_size=needles.vocab_size, layers=args.layers, dim=args.dim, heads=heads,
             kv_heads=kv_heads, granularity=args.granularity, checkpointing=True,

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flash_msa.niah.model import NeedleLM
+from flash_msa.niah.options import named
 from flash_msa.niah.tasks import TASKS, Batch, NeedleConfig, collate, make_sample, seed_of
 
 
@@ -34,22 +35,25 @@ class GridConfig:
 
     def __post_init__(self):
         if not self.context_lens or not self.depths:
-            raise ValueError("context_lens and depths must each hold at least one value")
+            raise ValueError(
+                f"{named('context_lens')} and {named('depths')} must each hold at least one value"
+            )
         for length in self.context_lens:
             if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-                raise ValueError(f"context lengths must be positive ints, got {length!r}")
+                raise ValueError(f"{named('context_lens')} must be positive ints, got {length!r}")
         for depth in self.depths:
             if not 0.0 <= depth <= 1.0:
-                raise ValueError(f"depths must be fractions in [0, 1], got {depth!r}")
+                raise ValueError(f"{named('depths')} must be fractions in [0, 1], got {depth!r}")
         repeated = len(set(self.context_lens)) < len(self.context_lens)
         if repeated or len(set(self.depths)) < len(self.depths):
             raise ValueError(
-                f"context_lens {self.context_lens} and depths {self.depths} must not repeat a value"
+                f"{named('context_lens')} {self.context_lens} and {named('depths')} "
+                f"{self.depths} must not repeat a value"
             )
         if self.samples < 1 or self.tokens_per_batch < 1:
             raise ValueError(
-                f"samples ({self.samples}) and tokens_per_batch ({self.tokens_per_batch}) "
-                "must be positive"
+                f"{named('samples')} {self.samples} and tokens_per_batch "
+                f"{self.tokens_per_batch} must be positive"
             )
 
 

@@ -30,6 +30,7 @@ from flash_msa.layout import BlockLayout
 from flash_msa.modules import MSAAttention, _ProjectedAttention
 from flash_msa.msa import block_scores, msa_checkpoint_context
 from flash_msa.msa.interface import check_granularity
+from flash_msa.niah.options import named
 from flash_msa.niah.tasks import seed_of
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.rotary import apply_rotary, rotary_tables
@@ -84,7 +85,7 @@ class ModelConfig:
             if field.name in ("rope_base", "checkpointing", "granularity") or value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+                raise ValueError(f"{named(field.name)} must be a positive int, got {value!r}")
         rope_base = self.rope_base
         if type(rope_base) not in (int, float) or not 1 < rope_base < float("inf"):
             raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
@@ -93,11 +94,14 @@ class ModelConfig:
         check_granularity(self.granularity)
         if self.dim % self.heads or self.heads % self.kv_heads:
             raise ValueError(
-                f"dim {self.dim} must be a multiple of heads {self.heads}, and heads a multiple "
-                f"of kv_heads {self.kv_heads} (GQA)"
+                f"{named('dim')} {self.dim} must be a multiple of {named('heads')} {self.heads}, "
+                f"and heads a multiple of {named('kv_heads')} {self.kv_heads} (GQA)"
             )
         if (self.dim // self.heads) % 2:
-            raise ValueError(f"head_dim {self.dim // self.heads} must be even (rotary pairs)")
+            raise ValueError(
+                f"head_dim {self.dim // self.heads} = {named('dim')} / {named('heads')} must be "
+                "even (rotary pairs)"
+            )
 
     @property
     def head_dim(self) -> int:

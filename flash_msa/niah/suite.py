@@ -80,7 +80,9 @@ def check_device(variants: list[str], device: torch.device) -> None:
     device, and a missing matplotlib (the report needs it)."""
     unknown = [variant for variant in variants if variant not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown variants {unknown}: choose among {', '.join(VARIANTS)}")
+        raise ValueError(
+            f"unknown variants {unknown} (--variants): choose among {', '.join(VARIANTS)}"
+        )
     if importlib.util.find_spec("matplotlib") is None:
         raise ModuleNotFoundError(
             "flash-msa niah draws niah.png with matplotlib: pip install 'flash-msa[plot]'",

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from flash_msa.niah.model import ModelConfig, NeedleLM
+from flash_msa.niah.options import named
 from flash_msa.niah.tasks import NeedleConfig, seed_of, training_batch
 
 
@@ -86,16 +87,18 @@ class TrainConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise ValueError(f"{named(name)} must be a positive int, got {value!r}")
         if self.max_sequences < self.batch:
             raise ValueError(
-                f"max_sequences {self.max_sequences} must be at least batch {self.batch} (the "
-                "sequences of a step at train_len)"
+                f"{named('batch')} {self.batch} (the sequences of a step at train_len) is more "
+                f"than max_sequences {self.max_sequences}: lower batch or raise max_sequences"
             )
         ratio = self.train_len // self.min_len
         if self.train_len % self.min_len or ratio & (ratio - 1):
+            below = self.min_len << max(ratio.bit_length() - 1, 0)
             raise ValueError(
-                f"train_len {self.train_len} must be min_len {self.min_len} times a power of two"
+                f"{named('train_len')} {self.train_len} must be min_len {self.min_len} (the "
+                f"shortest training length) times a power of two, e.g. {below} or {2 * below}"
             )
         for name in ("msa_warmup", "curriculum"):
             value = getattr(self, name)
@@ -112,7 +115,7 @@ class TrainConfig:
         for name in ("lr_warmup", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+                raise ValueError(f"{named(name)} must be an int >= 0, got {value!r}")
 
     def lengths(self) -> list[int]:
         """The training lengths, shortest first."""
@@ -320,8 +323,9 @@ def train(
     """
     if config.min_len < needles.min_length():
         raise ValueError(
-            f"min_len {config.min_len} cannot hold the training samples: they need at least "
-            f"{needles.min_length()} tokens; raise min_len or shrink the tasks"
+            f"min_len {config.min_len} (the shortest training length) cannot hold the training "
+            f"samples: they need at least {needles.min_length()} tokens; raise min_len and "
+            f"{named('train_len')} to {needles.min_length()} or more, or shrink the tasks"
         )
     optimizer = _optimizer(model, config, device)
     settings = checkpoint_settings(model, needles, config, device)

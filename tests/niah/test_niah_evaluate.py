@@ -60,7 +60,7 @@ def test_every_model_sees_the_same_samples():
     "fields, match",
     [
         (dict(context_lens=()), "at least one value"),
-        (dict(depths=(0.5, 1.5)), "depths must be fractions"),
+        (dict(depths=(0.5, 1.5)), r"depths \(--depths\) must be fractions"),
         (dict(context_lens=(64, 64)), "must not repeat"),
         (dict(samples=0), "must be positive"),
     ],

@@ -90,13 +90,13 @@ def test_selections_keeping_every_block_equal_dense(variant):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(dim=62), "dim 62 must be a multiple of heads"),
+        (dict(dim=62), r"dim \(--dim\) 62 must be a multiple of heads \(--heads\)"),
         (dict(kv_heads=3), "multiple of kv_heads"),
-        (dict(layers=0), "layers must be a positive int"),
+        (dict(layers=0), r"layers \(--layers\) must be a positive int"),
         (dict(rope_base=1.0), "rope_base must be a finite number > 1"),
         (dict(rope_base=float("nan")), "rope_base must be a finite number > 1"),
         (dict(rope_base="abc"), "rope_base must be a finite number > 1"),
-        (dict(dim=12), "head_dim 3 must be even"),
+        (dict(dim=12), r"head_dim 3 = dim \(--dim\) / heads \(--heads\) must be even"),
     ],
 )
 def test_config_errors(changes, match):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flash_msa import _env
-from flash_msa.cli import NIAH_INCOMPLETE, main
+from flash_msa.cli import NIAH_INCOMPLETE, build_parser, main
 from flash_msa.niah.model import VARIANTS
+from flash_msa.niah.options import OPTIONS
 from flash_msa.niah.suite import build_configs, check_device
 
 
@@ -92,10 +93,45 @@ def test_refusals(capsys):
     assert "is not a token count" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["niah", "--tiny", "--variants", "dense,sparse"])
-    assert "unknown variants ['sparse']" in capsys.readouterr().err
+    assert "unknown variants ['sparse'] (--variants)" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # before any variant trains
         main(["niah", "--tiny", "--variants", "dense", "--context-lens", "20"])
     assert "(--context-lens) must hold a sample of every task" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "steps (--steps) must be a positive int, got 0"),
+        (["--seed", "-1"], "seed (--seed) must be an int >= 0, got -1"),
+        (["--train-len", "100"], "train_len (--train-len) 100 must be min_len 32 (the shortest "
+         "training length) times a power of two, e.g. 64 or 128"),
+        (["--batch", "200"], "batch (--batch) 200 (the sequences of a step at train_len) is "
+         "more than max_sequences 128: lower batch or raise max_sequences"),
+        (["--layers", "0"], "layers (--layers) must be a positive int, got 0"),
+        (["--kv-heads", "3"], "heads a multiple of kv_heads (--kv-heads) 3 (GQA)"),
+        (["--dim", "36", "--heads", "4"], "head_dim 9 = dim (--dim) / heads (--heads) must be "
+         "even"),
+        (["--context-lens", "0"], "context_lens (--context-lens) must be positive ints, got 0"),
+        (["--depths", "0,2"], "depths (--depths) must be fractions in [0, 1], got 2.0"),
+        (["--depths", "0,0"], "and depths (--depths) (0.0, 0.0) must not repeat a value"),
+        (["--samples", "0"], "samples (--samples) 0 and tokens_per_batch 65536 must be positive"),
+        (["--tiny", "--variants", "dense", "--train-len", "16"], "min_len 16 (the shortest "
+         "training length) cannot hold the training samples: they need at least 25 tokens; raise "
+         "min_len and train_len (--train-len) to 25 or more"),
+    ],
+)  # fmt: skip
+def test_bad_settings_name_their_options(argv, message, tmp_path, capsys):
+    folders = ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit):
+        main(["niah", *argv, *folders])
+    assert message in " ".join(capsys.readouterr().err.split())  # argparse's wrapping undone
+
+
+def test_options_named_in_messages_are_the_commands():
+    niah = build_parser()._subparsers._group_actions[0].choices["niah"]
+    flags = {flag: action.dest for action in niah._actions for flag in action.option_strings}
+    assert all(flags.get(flag) == field for field, flag in OPTIONS.items())
 
 
 def test_help_names_the_defaults(capsys):

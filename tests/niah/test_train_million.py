@@ -1,5 +1,6 @@
 """examples/train_million.py in parts: a run stopped by --max-minutes and a second run with
-the same --checkpoint, which resumes and finishes the schedule."""
+the same --checkpoint, which resumes and finishes the schedule; a --seq-len too short for a
+sample is refused by that option's name."""
 
 import json
 import os
@@ -27,3 +28,10 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
     assert resumed["steps"] == 3 and [row[0] for row in resumed["history"]] == [0, 1, 2]
     assert resumed["history"][:2] == stopped["history"]
     assert resumed["first_step_seconds"] == stopped["first_step_seconds"]
+
+
+def test_a_bad_seq_len_is_refused_by_its_own_option(tmp_path):
+    command = [sys.executable, str(SCRIPT), *ARGS, "--out", str(tmp_path), "--seq-len", "16"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--seq-len 16 cannot hold a needle sample: pass 25 tokens or more" in done.stderr
