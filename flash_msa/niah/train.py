@@ -15,8 +15,9 @@ which attends densely for the first msa_warmup fraction.
 AdamW, linear warm-up then cosine decay to a tenth, bf16 autocast on a GPU.
 
 A checkpoint (model, optimizer, step, RNG states, loss history, time and tokens trained)
-is written every checkpoint_every steps, at the end, and when the deadline passes; a run
-given the same checkpoint path resumes from it.
+is written every checkpoint_every steps, at the end, when the deadline passes and when
+Ctrl-C (KeyboardInterrupt) stops training, unless it lands mid-update; a run given the same
+checkpoint path resumes from it.
 """
 
 from __future__ import annotations
@@ -320,6 +321,11 @@ def train(
 
     Returns:
         The TrainState reached; state.step < config.steps when the deadline stopped it.
+
+    Raises:
+        KeyboardInterrupt: again, after writing the checkpoint of the steps completed (none
+            written when it lands between an optimizer step and its count: the previous
+            checkpoint then holds the latest state that matches its step).
     """
     if config.min_len < needles.min_length():
         raise ValueError(
@@ -348,41 +354,54 @@ def train(
     )  # fmt: skip
     _synchronize(device)
     started = time.perf_counter()
-    for batch in loader:
-        batch = batch.to(device)
-        step, length = state.step, batch.tokens.shape[1]
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr_at(step)
-        warmup = config.dense_warmup_at(step, model.variant)
-        loss, task_loss, repeat_loss, kl_loss = _losses(model, batch, warmup, config, device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens = batch.tokens.numel()
-        kl_value = float("nan") if kl_loss is None else kl_loss.item()
-        # .item() waits for the step
-        history = [step, length, task_loss.item(), kl_value, repeat_loss.item()]
-        now = time.perf_counter()
-        state.train_seconds += now - started
-        started = now
-        state.step, state.tokens = step + 1, state.tokens + tokens
-        state.history.append(history)
-        bar.update(step_flops(model.config, model.variant, length, tokens))
-        bar.set_postfix_str(
-            f"step {state.step}/{config.steps}, len {length}, answer loss {history[2]:.3f}, "
-            f"haystack loss {history[4]:.3f}"
-            + ("" if kl_loss is None else f", kl {kl_value:.3f}")
-            + (" (dense warm-up)" if warmup else "")
-            + f", {state.tokens_per_second / 1e6:.2f}M tok/s"
-        )
-        out_of_time = deadline is not None and time.monotonic() >= deadline
-        if state.step % config.checkpoint_every == 0 or state.step == config.steps or out_of_time:
+    # True from an optimizer step until state counts it: model and state then disagree
+    updating = False
+    try:
+        for batch in loader:
+            batch = batch.to(device)
+            step, length = state.step, batch.tokens.shape[1]
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr_at(step)
+            warmup = config.dense_warmup_at(step, model.variant)
+            loss, task_loss, repeat_loss, kl_loss = _losses(model, batch, warmup, config, device)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            tokens = batch.tokens.numel()
+            kl_value = float("nan") if kl_loss is None else kl_loss.item()
+            # .item() waits for the backward, before the update: an interrupt that waits
+            # there finds model and state at the previous step
+            history = [step, length, task_loss.item(), kl_value, repeat_loss.item()]
+            updating = True
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step, state.tokens = step + 1, state.tokens + tokens
+            state.history.append(history)
+            updating = False
+            _synchronize(device)  # the update is training time
+            now = time.perf_counter()
+            state.train_seconds += now - started
+            started = now
+            bar.update(step_flops(model.config, model.variant, length, tokens))
+            bar.set_postfix_str(
+                f"step {state.step}/{config.steps}, len {length}, answer loss {history[2]:.3f}, "
+                f"haystack loss {history[4]:.3f}"
+                + ("" if kl_loss is None else f", kl {kl_value:.3f}")
+                + (" (dense warm-up)" if warmup else "")
+                + f", {state.tokens_per_second / 1e6:.2f}M tok/s"
+            )
+            out_of_time = deadline is not None and time.monotonic() >= deadline
+            save = state.step % config.checkpoint_every == 0 or state.step == config.steps
+            if save or out_of_time:
+                save_checkpoint(checkpoint_path, model, optimizer, state, settings)
+                started = time.perf_counter()  # the save is not training time
+            if out_of_time:
+                break
+    except KeyboardInterrupt:
+        if not updating:  # mid-update, the last checkpoint is the latest consistent state
             save_checkpoint(checkpoint_path, model, optimizer, state, settings)
-            started = time.perf_counter()  # the save is not training time
-        if out_of_time:
-            break
-    bar.close()
+        raise
+    finally:
+        bar.close()
     return state
 
 

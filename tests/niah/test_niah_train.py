@@ -2,6 +2,7 @@
 step timing."""
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -15,6 +16,7 @@ NEEDLES = NeedleConfig()
 MODEL = ModelConfig(vocab_size=NEEDLES.vocab_size, layers=2, dim=32, heads=2, kv_heads=1)
 SCHEDULE = TrainConfig(steps=3, train_len=256, min_len=128, lr_warmup=1, checkpoint_every=100)
 CPU = torch.device("cpu")
+TRAIN = importlib.import_module("flash_msa.niah.train")  # flash_msa.niah.train is the function
 
 
 def fresh(variant: str = "dense") -> NeedleLM:
@@ -73,6 +75,44 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     assert all(math.isnan(h[3]) for h in state_b.history)  # no KL loss but msa's
     finished = train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, progress=False)
     assert finished.step == 3 and finished.tokens == state.tokens  # nothing left to train
+
+
+def test_an_interrupt_saves_the_steps_completed_and_the_run_resumes(tmp_path, monkeypatch):
+    straight = fresh()
+    state = train(straight, NEEDLES, SCHEDULE, device=CPU, checkpoint_path=tmp_path / "a.pt",
+                  progress=False)  # fmt: skip
+    path, losses, calls = tmp_path / "b.pt", TRAIN._losses, []
+
+    def interrupted_at_step_2(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the third step's forward
+        return losses(*args, **kwargs)
+
+    monkeypatch.setattr(TRAIN, "_losses", interrupted_at_step_2)
+    with pytest.raises(KeyboardInterrupt):  # checkpoint_every 100: no checkpoint before it
+        train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, progress=False)
+    monkeypatch.undo()
+    resumed = fresh()
+    state_b = train(resumed, NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, deadline=0.0,
+                    progress=False)  # fmt: skip
+    assert state_b.step == 3  # one step (the deadline) from the 2 saved
+    assert [h[:3] for h in state_b.history] == [h[:3] for h in state.history]
+    got = resumed.state_dict()
+    assert all(torch.equal(expected, got[name]) for name, expected in straight.state_dict().items())
+
+
+def test_an_interrupt_mid_update_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """Between an optimizer step and its count the model is ahead of the state: no save."""
+
+    def interrupted(self, closure=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", interrupted)
+    path = tmp_path / "dense.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, progress=False)
+    assert not path.exists()
 
 
 def test_batches_built_by_worker_processes_train_the_same(tmp_path):
