@@ -246,9 +246,14 @@ def save_checkpoint(path: pathlib.Path, model, optimizer, state: TrainState, set
 
 
 def load_checkpoint(path: pathlib.Path, model, optimizer, settings) -> TrainState:
-    """Restore model, optimiser and RNG states from path; the state to continue from."""
+    """Restore model, optimiser and RNG states from path; the state to continue from.
+
+    The file is read with weights_only: save_checkpoint writes tensors, dicts, lists, tuples,
+    numbers, strings and None only, and a file holding anything else (code that would run as
+    it loads) is refused as unreadable.
+    """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = torch.load(path, map_location="cpu", weights_only=True)
         saved = payload["settings"]
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
         raise ValueError(

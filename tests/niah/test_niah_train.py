@@ -8,9 +8,19 @@ import math
 import pytest
 import torch
 
-from flash_msa.niah.model import ModelConfig, NeedleLM, init_parameters
+from flash_msa.niah.model import VARIANTS, ModelConfig, NeedleLM, init_parameters
 from flash_msa.niah.tasks import NeedleConfig
-from flash_msa.niah.train import TrainConfig, measure_step_ms, schedule_flops, step_flops, train
+from flash_msa.niah.train import (
+    TrainConfig,
+    TrainState,
+    checkpoint_settings,
+    load_checkpoint,
+    measure_step_ms,
+    save_checkpoint,
+    schedule_flops,
+    step_flops,
+    train,
+)
 
 NEEDLES = NeedleConfig()
 MODEL = ModelConfig(vocab_size=NEEDLES.vocab_size, layers=2, dim=32, heads=2, kv_heads=1)
@@ -133,6 +143,42 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
     with pytest.raises(ValueError, match="variant='dense' \\(now 'window'\\)"):
         train(fresh("window"), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path,
               progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_written_loads_with_weights_only(variant, tmp_path):
+    model = NeedleLM(variant, MODEL)
+    optimizer = TRAIN._optimizer(model, SCHEDULE, CPU)
+    sum(parameter.sum() for parameter in model.parameters()).backward()
+    optimizer.step()  # optimizer state: step counts and moments
+    settings = checkpoint_settings(model, NEEDLES, SCHEDULE, CPU)
+    state = TrainState(step=1, history=[[0, 128, 5.5, math.nan, 5.6]], train_seconds=0.5,
+                       tokens=256)  # fmt: skip
+    path = tmp_path / f"{variant}.pt"
+    save_checkpoint(path, model, optimizer, state, settings)
+    loaded = NeedleLM(variant, MODEL)
+    loaded_optimizer = TRAIN._optimizer(loaded, SCHEDULE, CPU)
+    got = load_checkpoint(path, loaded, loaded_optimizer, settings)
+    assert (got.step, got.tokens, got.history[0][:3]) == (1, 256, [0, 128, 5.5])
+    assert math.isnan(got.history[0][3])
+    for name, expected in model.state_dict().items():
+        assert torch.equal(expected, loaded.state_dict()[name]), name
+    moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+    loaded_moments = [loaded_optimizer.state[p]["exp_avg"] for p in loaded.parameters()]
+    assert all(map(torch.equal, moments, loaded_moments))
+
+
+class RunsCodeWhenLoaded:
+    def __reduce__(self):
+        return print, ("code ran",)
+
+
+def test_a_checkpoint_holding_code_is_refused_unrun(tmp_path, capsys):
+    path = tmp_path / "dense.pt"
+    torch.save(dict(settings=RunsCodeWhenLoaded()), path)
+    with pytest.raises(ValueError, match=r"(?s)dense.pt is unreadable .*: delete it"):
+        train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, progress=False)
+    assert "code ran" not in capsys.readouterr().out
 
 
 def test_step_timing_changes_no_parameter():
