@@ -22,6 +22,8 @@ from torch import nn
 from flash_msa.distributed.comm import sum_across_ranks
 from flash_msa.modules import MSAAttention
 
+KV_BLOCK = 64  # the MSA layers' key block: the plan gives each rank whole blocks, one at least
+
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, cp_group, **msa):
@@ -58,13 +60,66 @@ def summed_loss(logits, targets):
     return nn.functional.cross_entropy(flat, targets.flatten(), reduction="sum")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked before any process group is made: a bad one ends every rank
+    with one error line naming it and the fix."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=1000)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--seq-len", type=int, default=1000,
+        help="tokens of each sequence, at least one block of 64 per rank (default: 1000)",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=4, help="SGD steps (default: 4)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=1,
+        help="first steps whose MSA layers attend densely (default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda: a GPU per rank, NCCL; cpu: gloo, with TRITON_INTERPRET=1 (default: cuda "
+        "when present)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        parser.error(
+            f"{' and '.join(missing)} not set: start the ranks with torchrun, e.g. torchrun "
+            "--nproc-per-node 2 examples/context_parallel.py"
+        )
+    world_size = int(os.environ["WORLD_SIZE"])
+    if args.seq_len < 1:
+        parser.error(f"--seq-len must be a positive number of tokens, got {args.seq_len}")
+    blocks = -(-args.seq_len // KV_BLOCK)
+    if blocks < world_size:
+        parser.error(
+            f"--seq-len {args.seq_len} makes {blocks} block(s) of {KV_BLOCK} tokens for "
+            f"{world_size} ranks, each of which holds at least one: pass --seq-len "
+            f"{KV_BLOCK * (world_size - 1) + 1} or more, or start fewer ranks (--nproc-per-node)"
+        )
+    if args.steps < 1:
+        parser.error(f"--steps must be a positive int, got {args.steps}")
+    if not 0 <= args.warmup_steps <= args.steps:
+        parser.error(
+            f"--warmup-steps must be in [0, --steps {args.steps}], got {args.warmup_steps}"
+        )
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here; pass --device cpu")
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local_rank >= gpus:
+            parser.error(
+                f"--device cuda: local rank {local_rank} has no GPU of its own ({gpus} here): "
+                f"start at most {gpus} ranks per node (--nproc-per-node)"
+            )
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error(
+            "--device cpu runs the MSA Triton kernels in their interpreter: set "
+            "TRITON_INTERPRET=1 for the command (TRITON_INTERPRET=1 torchrun ...)"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -73,7 +128,7 @@ def main() -> None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     msa = dict(num_kv_heads=2, num_proxy_heads=2, proxy_head_dim=32, top_k=4, q_block=32,
-               kv_block=64)  # fmt: skip
+               kv_block=KV_BLOCK)  # fmt: skip
     model = TinyLM(256, 128, 4, 2, cp_group=dist.group.WORLD, **msa).to(device, dtype)
     for parameter in model.parameters():  # every rank starts from rank 0's weights
         dist.broadcast(parameter.data, src=0)
