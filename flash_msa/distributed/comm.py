@@ -111,11 +111,11 @@ def agree(
             any(t.shape[1] != expected for t in shards.values())
             or any(t.shape[0] != shards["q"].shape[0] for t in shards.values())
         )
-        facts = [plan.world_size, plan.digest(), *values, mismatch]
+        facts = [*plan.sizes().values(), plan.digest(), *values, mismatch]
         facts += [fact for tensor in shards.values() for fact in _shard_facts(tensor)]
     except (TypeError, ValueError) as error:
         failure = error
-        facts = [0] * (3 + len(settings) + len(_SHARD_FACTS) * len(shards))
+        facts = [0] * (len(plan.sizes()) + 2 + len(settings) + len(_SHARD_FACTS) * len(shards))
     mine = torch.tensor([failure is not None, shared, *facts], dtype=torch.int64,
                         device=_collective_device(group))  # fmt: skip
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -128,7 +128,7 @@ def agree(
         dist.all_gather_object(errors, mine, group=group)
         type_error, message = errors[failed[0]]
         raise (TypeError if type_error else ValueError)(f"rank {failed[0]}: {message}") from failure
-    names = ["world_size", "plan", *settings, "shard tokens"]
+    names = [*(f"plan {size}" for size in plan.sizes()), "plan", *settings, "shard tokens"]
     names += [f"{shard} {fact}" for shard in shards for fact in _SHARD_FACTS]
     for other, row in enumerate(table):
         for name, value, first in zip(names, row[2:], table[0][2:], strict=True):
@@ -140,12 +140,13 @@ def agree(
                     "shard with x[:, plan.token_index(rank)]"
                 )
             if value != first:
-                what = "plans" if name in ("world_size", "plan") else f"{name} values"
-                shown = "" if name == "plan" or "fingerprint" in name else (
-                    f" ({_fact_value(name, first)} and {_fact_value(name, value)})"
-                )
+                what = f"{name} values differ"
+                if name == "plan":
+                    what = "plans differ in their blocks or block owners (their sizes agree)"
+                elif "fingerprint" not in name:
+                    what += f" ({_fact_value(name, first)} and {_fact_value(name, value)})"
                 raise ValueError(
-                    f"ranks 0 and {other} disagree: their {what} differ{shown}; every rank must "
+                    f"ranks 0 and {other} disagree: their {what}; every rank must "
                     "pass shards of the same batch, heads, head_dim and dtype, the same options, "
                     "and the plan built from the same layout"
                 )

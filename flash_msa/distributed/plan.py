@@ -380,15 +380,21 @@ class CpPlan:
         head, row = gaps[0].tolist()
         return head, row, int(diagonal[row])
 
+    def sizes(self) -> dict[str, int]:
+        """The plan's sizes by name (world size, the layout's shape and active blocks): ranks
+        compare them, then the digest, before they exchange anything."""
+        layout = self.layout
+        return {"world_size": self.world_size, "seq_len": layout.seq_len_q,
+                "q_block": layout.q_block, "kv_block": layout.kv_block,
+                "layout batch": layout.layout_batch, "layout heads": layout.layout_heads,
+                "active blocks": layout.nnz}  # fmt: skip
+
     def digest(self) -> int:
-        """A 63-bit fingerprint of the plan (layout, block sizes, owners): ranks compare it
-        before they exchange anything."""
+        """A 63-bit fingerprint of the plan (its sizes, the layout's blocks, the owners)."""
         if self._digest is None:
             layout = self.layout
             sha = hashlib.sha256()
-            sizes = [self.world_size, layout.seq_len_q, layout.q_block, layout.kv_block,
-                     layout.layout_batch, layout.layout_heads]  # fmt: skip
-            sha.update(repr(sizes).encode())
+            sha.update(repr(list(self.sizes().values())).encode())
             for tensor in (layout.row_offsets, layout.col_indices, self.block_owners):
                 sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
             self._digest = int.from_bytes(sha.digest()[:8], "little") >> 1

@@ -294,7 +294,15 @@ def _bad_inputs(rank, world_size):
     other_shards = [t[:, mixed.token_index(rank)] for t in (q, k, v)]
     failures += _expect_error(
         "other plan", rank, lambda: block_sparse_attn_cp(*other_shards, mixed, backend="torch"),
-        "plans differ",
+        f"their plan active blocks values differ ({layout.nnz} and {other.layout.nnz})",
+    )  # fmt: skip
+    # One rank's plan gives the same layout's blocks to other ranks: sizes agree, owners not.
+    headtail = cp_plan(layout, world_size, balance="headtail")
+    owned = headtail if rank == world_size - 1 else plan
+    owned_shards = [t[:, owned.token_index(rank)] for t in (q, k, v)]
+    failures += _expect_error(
+        "other owners", rank, lambda: block_sparse_attn_cp(*owned_shards, owned, backend="torch"),
+        "plans differ in their blocks or block owners (their sizes agree)",
     )  # fmt: skip
     # A plan for another world size.
     wrong = cp_plan(layout, world_size + 1)
