@@ -818,7 +818,8 @@ def _add_niah_parser(commands) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; a value the library refuses ends like a bad argument: one error line
-    after the usage, exit status 2."""
+    after the usage, exit status 2. Running out of GPU memory ends with one error line, exit
+    status 1."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
@@ -828,6 +829,10 @@ def main(argv: list[str] | None = None) -> int:
         if error.name != "matplotlib":
             raise
         args.parser.error(str(error))
+    except torch.OutOfMemoryError as error:
+        first_line = str(error).splitlines()[0] if str(error) else "out of memory"
+        args.parser.exit(1, f"{args.parser.prog}: error: the GPU ran out of memory "
+                            f"({first_line}); pass shorter sequences\n")  # fmt: skip
 
 
 if __name__ == "__main__":

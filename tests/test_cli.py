@@ -112,6 +112,20 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
     assert "pip install 'flash-msa[plot]'" in capsys.readouterr().err.splitlines()[-1]
 
 
+def test_out_of_gpu_memory_ends_in_one_error_line(monkeypatch, capsys):
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB\nmore")
+
+    monkeypatch.setattr("flash_msa.cli.block_sparse_attn_func", exhausted)
+    with pytest.raises(SystemExit) as exit:
+        main(["demo", "--seq-len", "256"])
+    assert exit.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "flash-msa demo: error: the GPU ran out of memory (CUDA out of memory. Tried to "
+        "allocate 64.00 GiB); pass shorter sequences"
+    )
+
+
 def test_info_lists_versions_device_and_backends(capsys):
     assert main(["info"]) == 0
     printed = capsys.readouterr().out
