@@ -31,16 +31,16 @@ from flash_msa.bench import parse_length
 from flash_msa.msa.fp8 import FP8
 
 SOURCE = (pathlib.Path(__file__).parents[1] / "flash_msa/msa/token_selection.py").read_text()
-UPDATE = (
-    "        slot_scores, slot_keys, worst = enter_block(slot_scores, slot_keys, worst, score, "
-    "block)\n"
-)
+UPDATE = """        slot_scores, slot_blocks, worst = enter_block(
+            slot_scores, slot_blocks, worst, score, block, slots, TOP_K
+        )
+"""
 AFTER_WALK = "    blocks, columns = ranked_blocks("
 VARIANTS = {
     "A": SOURCE,
     "B": SOURCE.replace(UPDATE, "        worst = tl.maximum(worst, score)\n").replace(
         AFTER_WALK,
-        "    slot_keys += (worst > 3e38).to(tl.int32)[:, None]  # keeps the walk live\n"
+        "    slot_blocks += (worst > 3e38).to(tl.int32)[:, None]  # keeps the walk live\n"
         + AFTER_WALK,
     ),
     "C": SOURCE.replace(

@@ -152,7 +152,7 @@ def _token_selection_kernel(
         start_block = tl.min(row_starts) // KV_BLOCK
 
     slots = tl.arange(0, SLOTS)  # [SLOTS]
-    slot_scores, slot_keys, worst = empty_slots(
+    slot_scores, slot_blocks, worst = empty_slots(
         slots, tl.zeros((BLOCK_M, SLOTS), tl.float32), TOP_K
     )  # [BLOCK_M, SLOTS] x2, [BLOCK_M]
     for block in range(start_block, last_block):
@@ -163,9 +163,11 @@ def _token_selection_kernel(
         # Rows whose own block this is (or is before) do not rank it: tiles of more tokens
         # than a kv block span several own blocks.
         score = tl.where((block < own_blocks) & row_valid, block_max, float("-inf"))
-        slot_scores, slot_keys, worst = enter_block(slot_scores, slot_keys, worst, score, block)
+        slot_scores, slot_blocks, worst = enter_block(
+            slot_scores, slot_blocks, worst, score, block, slots, TOP_K
+        )
 
-    blocks, columns = ranked_blocks(slot_keys, own_blocks, slots, TOP_K)
+    blocks, columns = ranked_blocks(slot_blocks, own_blocks, slots, TOP_K)
     out_rows = (
         selected + batch * stride_o_b + heads.to(tl.int64) * stride_o_h
         + rows.to(tl.int64) * stride_o_s

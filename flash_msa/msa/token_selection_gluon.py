@@ -107,18 +107,18 @@ def _issue(q, k_smem, k_ready, block, acc):
 
 
 @gluon.jit
-def _enter(s, block, top_k, rows, k_scales, SCALED: gl.constexpr):
+def _enter(s, block, top_k, rows, k_scales, TOP_K: gl.constexpr, SCALED: gl.constexpr):
     """The running top-k after block `block`'s product s [HALF_M, KV_BLOCK] (done): its row
-    maxima, for the rows that rank the block. top_k = (slot_scores, slot_keys, worst);
-    rows = (own_blocks, row_valid)."""
-    slot_scores, slot_keys, worst = top_k
-    own_blocks, row_valid = rows
+    maxima, for the rows that rank the block. top_k = (slot_scores, slot_blocks, worst);
+    rows = (own_blocks, row_valid, slots)."""
+    slot_scores, slot_blocks, worst = top_k
+    own_blocks, row_valid, slots = rows
     block_max = gl.max(s, axis=1)  # [HALF_M]
     if SCALED:  # a positive factor: the max of the scaled logits is the scaled max
         block_max = block_max * gl.load(k_scales + block)
     block_max = gl.convert_layout(block_max, own_blocks.type.layout)
     score = gl.where((block < own_blocks) & row_valid, block_max, float("-inf"))
-    return enter_block(slot_scores, slot_keys, worst, score, block)
+    return enter_block(slot_scores, slot_blocks, worst, score, block, slots, TOP_K)
 
 
 @gluon.jit
@@ -147,7 +147,7 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     own_blocks = tokens // KEYS  # [HALF_M]
     slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(0, slot_layout))  # [SLOTS]
     top_k = empty_slots(slots, gl.zeros([ROWS, SLOTS], gl.float32, slot_layout), TOP_K)
-    row_values = (own_blocks, row_valid)
+    row_values = (own_blocks, row_valid, slots)
     if blocks > 0:
         last = blocks - 1
         even = _issue(q, k_smem, k_ready, 0, gl.zeros([ROWS, KEYS], gl.float32, s_layout))
@@ -156,12 +156,12 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
             done = warpgroup_mma_wait(0, deps=(even,))
             mbarrier.arrive(k_empty.index(pair % NUM_STAGES))
             odd = _issue(q, k_smem, k_ready, gl.minimum(pair + 1, last), odd)
-            top_k = _enter(done, pair, top_k, row_values, k_scales, SCALED)
+            top_k = _enter(done, pair, top_k, row_values, k_scales, TOP_K, SCALED)
             odd = warpgroup_mma_wait(0, deps=(odd,))
             even = _issue(q, k_smem, k_ready, gl.minimum(pair + 2, last), done)
             if pair + 1 < blocks:
                 mbarrier.arrive(k_empty.index((pair + 1) % NUM_STAGES))
-                top_k = _enter(odd, pair + 1, top_k, row_values, k_scales, SCALED)
+                top_k = _enter(odd, pair + 1, top_k, row_values, k_scales, TOP_K, SCALED)
         warpgroup_mma_wait(0, deps=(even,))
     ranked, columns = ranked_blocks(top_k[1], own_blocks, slots, TOP_K)
     out_rows = out_base + heads.to(gl.int64) * stride_o_h + tokens.to(gl.int64) * stride_o_s
