@@ -10,7 +10,9 @@ parallelism) q_proxy holds some query blocks of the sequence k_proxy holds whole
 the scores is global query block q_blocks[i]: masks and documents see global positions.
 With score_dtype float8_e4m3fn the products run in FP8 (msa/fp8.py): each row's maximum over
 a kv block is multiplied by its query row's and the block's factors before the max over the
-query block's rows, so the scores approximate the proxies' own.
+query block's rows, so the scores approximate the proxies' own. On sm_90 the calls
+block_scores_gluon.py takes run its kernel instead (the same scores, the products on
+asynchronous warpgroup MMAs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import triton.language as tl
 
 from flash_msa import _env
 from flash_msa.layout import check_block_size
+from flash_msa.msa import block_scores_gluon
 from flash_msa.msa.fp8 import FP8, check_score_dtype, quantize_proxies
 from flash_msa.ops.interface import check_softmax_scale
 from flash_msa.ops.triton.common import strides
@@ -300,6 +303,10 @@ def _block_scores(
 ) -> None:
     batch, _, heads, dim = q_proxy.shape
     group = heads // k_proxy.shape[2]
+    if block_scores_gluon.supports(q_proxy, group, q_block, kv_block, document_ids is not None,
+                                   q_blocks is not None):  # fmt: skip
+        block_scores_gluon.scores(q_proxy, k_proxy, q_scales, k_scales, out, scale=scale)
+        return
     pack = _pack(q_block, group)
     # Without documents or q_blocks, out stands in for their pointers (never read).
     documents = out if document_ids is None else document_ids

@@ -14,9 +14,10 @@ partitions of warps share it (gl.warp_specialize):
   enter them into the running top-(top_k - 1), so the tensor cores work while they do.
 
 The query rows are loaded once, by the default warps before the partitions split, and kept
-in shared memory. Documents, q_blocks (context parallelism), kv blocks other than 128, D_p
-other than 64 or 128 and more than MAX_KEPT blocks a token take the Triton kernel (supports
-says which calls this one takes).
+in shared memory; the producer and the consumers' walk are proxy_walk_gluon.py's.
+Documents, q_blocks (context parallelism), kv blocks other than 128, D_p other than 64 or
+128 and more than MAX_KEPT blocks a token take the Triton kernel (supports says which calls
+this one takes).
 """
 
 from __future__ import annotations
@@ -25,17 +26,12 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flash_msa import _env
 from flash_msa.msa.fp8 import FP8
+from flash_msa.msa.proxy_walk_gluon import load_key_tiles, walk_blocks
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
@@ -80,39 +76,12 @@ def slot_count(kept: int) -> int:
 
 
 @gluon.jit
-def _producer(k_desc, k_smem, k_ready, k_empty, key_row, key_column, blocks):
-    """The producer warp: proxy key tiles 0 .. blocks - 1 into the ring."""
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    for block in range(blocks):
-        stage = block % NUM_STAGES
-        # A fresh barrier counts as having completed the phase before 0: the first waits
-        # pass at once.
-        mbarrier.wait(k_empty.index(stage), ((block // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [key_row + block * KEYS, key_column], k_ready.index(stage), k_smem.index(stage)
-        )
-
-
-@gluon.jit
-def _issue(q, k_smem, k_ready, block, acc):
-    """The async product [64, 128] of block `block` (once its keys have landed), into acc's
-    registers (its values are not read)."""
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    stage = block % NUM_STAGES
-    mbarrier.wait(k_ready.index(stage), (block // NUM_STAGES) & 1)
-    return warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), acc, use_acc=False,
-                         is_async=True)  # fmt: skip
-
-
-@gluon.jit
-def _enter(s, block, top_k, rows, k_scales, TOP_K: gl.constexpr, SCALED: gl.constexpr):
+def _enter(s, block, top_k, values):
     """The running top-k after block `block`'s product s [HALF_M, KV_BLOCK] (done): its row
     maxima, for the rows that rank the block. top_k = (slot_scores, slot_blocks, worst);
-    rows = (own_blocks, row_valid, slots)."""
+    values = (own_blocks, row_valid, slots, k_scales, TOP_K, SCALED)."""
     slot_scores, slot_blocks, worst = top_k
-    own_blocks, row_valid, slots = rows
+    own_blocks, row_valid, slots, k_scales, TOP_K, SCALED = values
     block_max = gl.max(s, axis=1)  # [HALF_M]
     if SCALED:  # a positive factor: the max of the scaled logits is the scaled max
         block_max = block_max * gl.load(k_scales + block)
@@ -125,18 +94,12 @@ def _enter(s, block, top_k, rows, k_scales, TOP_K: gl.constexpr, SCALED: gl.cons
 def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.constexpr,
               TOP_K: gl.constexpr, SLOTS: gl.constexpr, PACK: gl.constexpr,
               SCALED: gl.constexpr):  # fmt: skip
-    """One warpgroup's 64 rows: the walk, then its rows of the output (see _ranked_blocks).
-    Each block's product runs while the block before it enters the top-k. The products
-    alternate between two register tiles, even and odd blocks (a walk of two blocks a step),
-    so that no copy of a tile in flight makes the next product wait; where the walk has no
-    next block, the last one's product runs again, unread (its keys stay in the ring: the
-    producer loads no more)."""
+    """One warpgroup's 64 rows: the walk (each block's product runs while the block before
+    it enters the top-k), then its rows of the output (see ranked_blocks)."""
     first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s = tile_values
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = q_smem.type.shape[1]
     KEYS: gl.constexpr = k_smem.type.shape[1]
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    s_layout: gl.constexpr = mma_layout(KEYS, dtype)
     slot_layout: gl.constexpr = mma_layout(SLOTS, dtype)
     rows_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
     q = q_smem.index(HALF)  # [HALF_M, D_p]
@@ -147,22 +110,8 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     own_blocks = tokens // KEYS  # [HALF_M]
     slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(0, slot_layout))  # [SLOTS]
     top_k = empty_slots(slots, gl.zeros([ROWS, SLOTS], gl.float32, slot_layout), TOP_K)
-    row_values = (own_blocks, row_valid, slots)
-    if blocks > 0:
-        last = blocks - 1
-        even = _issue(q, k_smem, k_ready, 0, gl.zeros([ROWS, KEYS], gl.float32, s_layout))
-        odd = gl.zeros([ROWS, KEYS], gl.float32, s_layout)  # [HALF_M, KV_BLOCK]
-        for pair in range(0, blocks, 2):
-            done = warpgroup_mma_wait(0, deps=(even,))
-            mbarrier.arrive(k_empty.index(pair % NUM_STAGES))
-            odd = _issue(q, k_smem, k_ready, gl.minimum(pair + 1, last), odd)
-            top_k = _enter(done, pair, top_k, row_values, k_scales, TOP_K, SCALED)
-            odd = warpgroup_mma_wait(0, deps=(odd,))
-            even = _issue(q, k_smem, k_ready, gl.minimum(pair + 2, last), done)
-            if pair + 1 < blocks:
-                mbarrier.arrive(k_empty.index((pair + 1) % NUM_STAGES))
-                top_k = _enter(odd, pair + 1, top_k, row_values, k_scales, TOP_K, SCALED)
-        warpgroup_mma_wait(0, deps=(even,))
+    values = (own_blocks, row_valid, slots, k_scales, TOP_K, SCALED)
+    top_k = walk_blocks(q, k_smem, k_ready, k_empty, 0, blocks, top_k, values, _enter)
     ranked, columns = ranked_blocks(top_k[1], own_blocks, slots, TOP_K)
     out_rows = out_base + heads.to(gl.int64) * stride_o_h + tokens.to(gl.int64) * stride_o_s
     gl.store(gl.expand_dims(out_rows, 1) + columns, gl.where(ranked < 0, -1, ranked),
@@ -219,7 +168,7 @@ def _selection_kernel(
                       SLOTS, PACK, SCALED)),
          (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
                       SLOTS, PACK, SCALED)),
-         (_producer, (k_desc, k_smem, k_ready, k_empty, gl.program_id(2) * seq_len,
+         (load_key_tiles, (k_desc, k_smem, k_ready, k_empty, gl.program_id(2) * seq_len,
                       key_head * PROXY_DIM, blocks))],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flash_msa.msa import block_scores, block_scores_reference
+from flash_msa.msa import block_scores, block_scores_gluon, block_scores_reference
 from flash_msa.msa.fp8 import FP8
 from flash_msa.sequences import document_ids_of
 from flash_msa.testing import fp8_exact_proxies
@@ -128,6 +128,74 @@ def test_fp8_block_scores_on_gpu(geometry):
                           score_dtype=FP8)  # fmt: skip
     reference = block_scores_reference(q_proxy.double(), k_proxy.double(), q_block, kv_block)
     _assert_matches(scores, reference, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize(
+    "geometry",
+    [(2, 1000, 4, 1, 128), (1, 9000, 4, 2, 128), (1, 16447, 2, 1, 64), (1, 129, 4, 1, 128),
+     (2, 8256, 8, 4, 64)],
+    ids=str,
+)  # fmt: skip
+def test_gluon_block_scores_equal_the_triton_kernel(geometry, scores, monkeypatch):
+    """On sm_90 block_scores at MSA's blocks (q_block 64, kv_block 128) runs the Gluon kernel:
+    on random (inexact) proxies its scores are the Triton kernel's, bit for bit, with -inf
+    past the diagonal, for 2 and 4 proxy heads a key head, D_p 64 and 128, ragged lengths,
+    walks of one to several chunks of blocks (an odd and an even count of them), a batch and
+    an unaligned k_proxy (which the kernel's TMA copies); on proxies FP8 holds, float64's."""
+    batch, seq_len, heads, heads_keys, dim = geometry
+    generator = torch.Generator().manual_seed(seq_len)
+    dtype = torch.float16 if scores == "fp16" else torch.bfloat16
+    q_proxy, k_proxy = (
+        torch.randn(batch, seq_len, count, dim, generator=generator).to("cuda", dtype)
+        for count in (heads, heads_keys)
+    )
+    if batch == 1:  # k_proxy 2 bytes past an aligned address
+        shifted = torch.empty(k_proxy.numel() + 1, dtype=dtype, device="cuda")[1:]
+        k_proxy = shifted.view(k_proxy.shape).copy_(k_proxy)
+    options = dict(q_block=64, kv_block=128, score_dtype=FP8 if scores == "fp8" else None)
+    assert block_scores_gluon.supports(q_proxy, heads // heads_keys, 64, 128, documents=False,
+                                       q_blocks=False)  # fmt: skip
+    out = torch.full((batch, heads, *_grid(seq_len, 64, 128)), float("nan"), device="cuda")
+    gluon = block_scores(q_proxy, k_proxy, out=out, **options)
+    with monkeypatch.context() as patch:
+        patch.setattr(block_scores_gluon, "supports", lambda *args, **kwargs: False)
+        triton = block_scores(q_proxy, k_proxy, **options)
+    assert torch.equal(gluon, triton)
+    if scores == "fp8":
+        exact = (tensor.to("cuda", torch.bfloat16) for tensor in fp8_exact_proxies(
+            batch, seq_len, heads, heads_keys, dim, 128, seed=seq_len))  # fmt: skip
+        q_proxy, k_proxy = exact
+        reference = block_scores_reference(q_proxy.double(), k_proxy.double(), 64, 128)
+        _assert_matches(block_scores(q_proxy, k_proxy, **options), reference, 1e-6)
+
+
+def test_gluon_block_scores_are_refused_off_sm90_and_off_their_blocks():
+    """Without an sm_90 GPU (here: the CPU), or at other blocks, block_scores takes the
+    Triton kernel."""
+    q_proxy = torch.zeros(1, 256, 4, 128, dtype=torch.bfloat16)
+    assert not block_scores_gluon.supports(q_proxy, 4, 64, 128, documents=False, q_blocks=False)
+
+
+GLUON_SM90_COMPILE = """
+import json, sys
+from flash_msa.msa import block_scores_gluon
+for scores, proxy_dim in (("bf16", 128), ("fp8e4nv", 128), ("fp16", 64)):
+    report = block_scores_gluon.compile_for_sm90(sys.argv[1], scores, proxy_dim)
+    print(json.dumps(dict(report, name=f"{scores} D_p {proxy_dim}")))
+"""
+
+
+def test_gluon_block_scores_compile_for_hopper(sm90):
+    """The Gluon kernel for sm_90 (no GPU needed): warp-specialised (setmaxnreg), on
+    warpgroup MMAs, without spills, and each product in flight while the consumer takes the
+    block before's row maxima."""
+    reports = sm90(GLUON_SM90_COMPILE)
+    assert len(reports) == 3
+    for report in reports:
+        assert report["wgmma"] and report["spills"] == 0, report
+        assert report["setmaxnreg"] and report["maxima_under_products"] >= 32, report
 
 
 def test_block_scores_reference_brute_force():

@@ -1,0 +1,89 @@
+"""The walk over proxy key blocks that MSA's scoring kernels for Hopper (sm_90, Gluon) share:
+per-token selection (token_selection_gluon.py) and block scores (block_scores_gluon.py).
+
+A program holds 128 proxy query rows in shared memory, two consumer warpgroups of 64 rows
+each, and walks kv blocks 0 .. blocks - 1 of one proxy key head:
+
+- a producer warp (load_key_tiles) issues TMA loads of the key tiles [128, D_p] into a
+  NUM_STAGES-deep shared-memory ring, each slot guarded by a "ready" and an "empty"
+  mbarrier;
+- each consumer (walk_blocks, over all of the blocks or over consecutive runs of them)
+  issues the product of the next block ([64, 128] fp32, an async
+  warpgroup MMA) before it hands this block's product to its kernel's ENTER function, so the
+  tensor cores work while the consumer takes maxima.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flash_msa.ops.gluon.forward import mma_layout
+
+
+@gluon.jit
+def load_key_tiles(k_desc, k_smem, k_ready, k_empty, key_row, key_column, blocks):
+    """The producer warp: proxy key tiles 0 .. blocks - 1 (rows key_row + 128 * block of
+    k_desc's view, from column key_column) into the ring."""
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    for block in range(blocks):
+        stage = block % NUM_STAGES
+        # A fresh barrier counts as having completed the phase before 0: the first waits
+        # pass at once.
+        mbarrier.wait(k_empty.index(stage), ((block // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [key_row + block * KEYS, key_column], k_ready.index(stage), k_smem.index(stage)
+        )
+
+
+@gluon.jit
+def _issue(q, k_smem, k_ready, block, acc):
+    """The async product [64, 128] of block `block` (once its keys have landed), into acc's
+    registers (its values are not read)."""
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    stage = block % NUM_STAGES
+    mbarrier.wait(k_ready.index(stage), (block // NUM_STAGES) & 1)
+    return warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), acc, use_acc=False,
+                         is_async=True)  # fmt: skip
+
+
+@gluon.jit
+def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: gl.constexpr):
+    """One consumer warpgroup's walk over blocks first .. end - 1 with q [64, D_p] (shared
+    memory): state = ENTER(s, block, state, values) for each block's product s [64, 128]
+    (done), in block order; returns the last state. The products alternate between two
+    register tiles, even and odd steps (a walk of two blocks a step), so that no copy of a
+    tile in flight makes the next product wait; where the walk has no next block, the last
+    one's product runs again, unread. A walk over an even number of blocks issues that
+    product before it frees the last block's slot; an odd one issues it after, so the
+    producer must then load fewer than NUM_STAGES more blocks (else the product could wait
+    for that slot's next keys, which this consumer has yet to free): walks followed by
+    NUM_STAGES or more blocks cover an even number."""
+    ROWS: gl.constexpr = q.type.shape[0]
+    KEYS: gl.constexpr = k_smem.type.shape[1]
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    s_layout: gl.constexpr = mma_layout(KEYS, k_smem.dtype)
+    if end > first:
+        last = end - 1
+        even = _issue(q, k_smem, k_ready, first, gl.zeros([ROWS, KEYS], gl.float32, s_layout))
+        odd = gl.zeros([ROWS, KEYS], gl.float32, s_layout)  # [HALF_M, KV_BLOCK]
+        for pair in range(first, end, 2):
+            done = warpgroup_mma_wait(0, deps=(even,))
+            mbarrier.arrive(k_empty.index(pair % NUM_STAGES))
+            odd = _issue(q, k_smem, k_ready, gl.minimum(pair + 1, last), odd)
+            state = ENTER(done, pair, state, values)
+            odd = warpgroup_mma_wait(0, deps=(odd,))
+            even = _issue(q, k_smem, k_ready, gl.minimum(pair + 2, last), done)
+            if pair + 1 < end:
+                mbarrier.arrive(k_empty.index((pair + 1) % NUM_STAGES))
+                state = ENTER(odd, pair + 1, state, values)
+        warpgroup_mma_wait(0, deps=(even,))
+    return state
