@@ -134,7 +134,7 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, q_scales, k_scales, tile_values,
     for start in range(0, diagonal + 1, CHUNK):
         end = gl.minimum(start + CHUNK, diagonal)
         chunk = walk_blocks(q, k_smem, k_ready, k_empty, start, end, chunk, columns, _enter)
-        if end == diagonal:
+        if diagonal < start + CHUNK:  # the diagonal is in this run: walked after the rest
             chunk = walk_blocks(q, k_smem, k_ready, k_empty, diagonal, diagonal + 1, chunk,
                                 (columns, first), _enter_diagonal)  # fmt: skip
         row_values = (row_valid, row_scales, columns)
