@@ -23,11 +23,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flash_msa import _env
-from flash_msa.msa.proxy_walk_gluon import load_key_tiles, walk_blocks
+from flash_msa.msa.proxy_walk_gluon import key_ring, load_key_tiles, walk_blocks
 from flash_msa.msa.token_selection_gluon import (
     CONSUMER_REGISTERS,
     CONSUMER_WARPS,
@@ -179,13 +178,7 @@ def _block_scores_kernel(
         q_head = gl.load(q_proxy + gl.expand_dims(offsets, 1) + gl.expand_dims(dims, 0),
                          mask=gl.expand_dims(positions < seq_len, 1), other=0.0)  # fmt: skip
         q_smem.index(head).store(q_head)  # [Q_BLOCK, D_p]
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KEYS, PROXY_DIM], k_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    k_smem, k_ready, k_empty = key_ring(k_desc, NUM_STAGES)
 
     q_scales += batch * stride_qs_b + first_head
     k_scales += batch * stride_ks_b + key_head * stride_ks_h

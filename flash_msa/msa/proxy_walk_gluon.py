@@ -18,6 +18,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -25,6 +26,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flash_msa.ops.gluon.forward import mma_layout
+
+
+@gluon.jit
+def key_ring(k_desc, NUM_STAGES: gl.constexpr):
+    """The ring of key tiles (k_desc's blocks) and its "ready" and "empty" mbarriers, set up
+    and fenced (with the shared-memory stores before it) for the async proxy: (k_smem,
+    k_ready, k_empty)."""
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    PROXY_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, KEYS, PROXY_DIM], k_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    return k_smem, k_ready, k_empty
 
 
 @gluon.jit

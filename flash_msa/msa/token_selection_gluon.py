@@ -26,12 +26,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flash_msa import _env
 from flash_msa.msa.fp8 import FP8
-from flash_msa.msa.proxy_walk_gluon import load_key_tiles, walk_blocks
+from flash_msa.msa.proxy_walk_gluon import key_ring, load_key_tiles, walk_blocks
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
@@ -151,13 +150,7 @@ def _selection_kernel(
         q_half = gl.load(q_proxy + gl.expand_dims(offsets, 1) + gl.expand_dims(dims, 0),
                          mask=gl.expand_dims(tokens < seq_len, 1), other=0.0)  # fmt: skip
         q_smem.index(half).store(q_half)  # [HALF_M, D_p]
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, KEYS, PROXY_DIM], k_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    k_smem, k_ready, k_empty = key_ring(k_desc, NUM_STAGES)
 
     k_scales += batch * stride_ks_b + key_head * stride_ks_h
     out_base = selected + batch * stride_o_b
