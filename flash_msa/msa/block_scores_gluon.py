@@ -23,14 +23,19 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flash_msa import _env
-from flash_msa.msa.proxy_walk_gluon import key_ring, load_key_tiles, walk_blocks
+from flash_msa.msa.proxy_walk_gluon import (
+    DTYPES,
+    KV_BLOCK,
+    key_descriptor,
+    key_ring,
+    load_key_tiles,
+    walk_blocks,
+)
 from flash_msa.msa.token_selection_gluon import (
     CONSUMER_REGISTERS,
     CONSUMER_WARPS,
-    DTYPES,
     MAX_REGISTERS,
     NUM_STAGES,
     PRODUCER_REGISTERS,
@@ -40,7 +45,6 @@ from flash_msa.msa.token_selection_gluon import (
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 Q_BLOCK: gl.constexpr = gl.constexpr(64)  # positions of a program: a consumer's rows
-KV_BLOCK = 128
 PACK: gl.constexpr = gl.constexpr(2)  # proxy heads of a program, one a consumer
 # kv blocks whose row maxima a consumer holds before it reduces and stores them: even (a walk
 # that stops short of the producer's last block covers an even number, proxy_walk_gluon.py)
@@ -205,12 +209,7 @@ def scores(q_proxy, k_proxy, q_scales, k_scales, out, *, scale: float) -> None:
     checked the call (supports)."""
     batch, seq_len, heads, proxy_dim = q_proxy.shape
     key_heads = k_proxy.shape[2]
-    if not k_proxy.is_contiguous() or k_proxy.data_ptr() % 16:  # TMA: dense rows, aligned
-        k_proxy = k_proxy.clone(memory_format=torch.contiguous_format)
-    flat = k_proxy.view(batch * seq_len, key_heads * proxy_dim)
-    block = [KV_BLOCK, proxy_dim]
-    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[k_proxy.dtype])
-    k_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+    k_desc = key_descriptor(k_proxy)
     scaled = k_scales is not None
     grid = (triton.cdiv(seq_len, Q_BLOCK.value), heads // PACK.value, batch)
     _block_scores_kernel[grid](

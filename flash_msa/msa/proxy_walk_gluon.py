@@ -15,6 +15,7 @@ each, and walks kv blocks 0 .. blocks - 1 of one proxy key head:
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -24,8 +25,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flash_msa.msa.fp8 import FP8
 from flash_msa.ops.gluon.forward import mma_layout
+
+KV_BLOCK = 128  # keys of a proxy key tile
+DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, FP8: gl.float8e4nv}
+
+
+def key_descriptor(k_proxy: torch.Tensor) -> TensorDescriptor:
+    """The TMA view of the proxy keys k_proxy [B, S, H_pk, D_p] that load_key_tiles reads:
+    [B * S, H_pk * D_p] in blocks [KV_BLOCK, D_p] (over a copy where TMA cannot read
+    k_proxy as it is: rows not dense or not 16-byte aligned)."""
+    if not k_proxy.is_contiguous() or k_proxy.data_ptr() % 16:
+        k_proxy = k_proxy.clone(memory_format=torch.contiguous_format)
+    batch, seq_len, key_heads, proxy_dim = k_proxy.shape
+    flat = k_proxy.view(batch * seq_len, key_heads * proxy_dim)
+    block = [KV_BLOCK, proxy_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[k_proxy.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
 @gluon.jit

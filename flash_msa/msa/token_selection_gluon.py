@@ -26,19 +26,22 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flash_msa import _env
-from flash_msa.msa.fp8 import FP8
-from flash_msa.msa.proxy_walk_gluon import key_ring, load_key_tiles, walk_blocks
+from flash_msa.msa.proxy_walk_gluon import (
+    DTYPES,
+    KV_BLOCK,
+    key_descriptor,
+    key_ring,
+    load_key_tiles,
+    walk_blocks,
+)
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 BLOCK_M = 128  # rows of a program
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
-KV_BLOCK = 128
 PROXY_DIMS = (64, 128)
-DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, FP8: gl.float8e4nv}
 # Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
 # spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
 MAX_KEPT = 64
@@ -178,12 +181,7 @@ def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> Non
     heads a program. The caller checked the call (supports)."""
     batch, seq_len, heads, proxy_dim = q_proxy.shape
     key_heads = k_proxy.shape[2]
-    if not k_proxy.is_contiguous() or k_proxy.data_ptr() % 16:  # TMA: dense rows, aligned
-        k_proxy = k_proxy.clone(memory_format=torch.contiguous_format)
-    flat = k_proxy.view(batch * seq_len, key_heads * proxy_dim)
-    block = [KV_BLOCK, proxy_dim]
-    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[k_proxy.dtype])
-    k_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+    k_desc = key_descriptor(k_proxy)
     scaled = k_scales is not None
     rows = BLOCK_M // pack
     grid = (triton.cdiv(seq_len, rows), heads // pack, batch)
