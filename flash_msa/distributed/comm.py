@@ -20,7 +20,7 @@ import torch.distributed as dist
 # threads then abort the process.
 import torch.distributed.nn.functional  # noqa: F401
 
-from flash_msa.distributed.plan import CpPlan
+from flash_msa.distributed.plan import PLAN_SIZES, CpPlan
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What each shard tells the other ranks (its tokens, dim 1, are checked against the plan).
@@ -111,11 +111,11 @@ def agree(
             any(t.shape[1] != expected for t in shards.values())
             or any(t.shape[0] != shards["q"].shape[0] for t in shards.values())
         )
-        facts = [*plan.sizes().values(), plan.digest(), *values, mismatch]
+        facts = [*plan.sizes(), plan.digest(), *values, mismatch]
         facts += [fact for tensor in shards.values() for fact in _shard_facts(tensor)]
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError) as error:  # plan may be anything here: only counts
         failure = error
-        facts = [0] * (len(plan.sizes()) + 2 + len(settings) + len(_SHARD_FACTS) * len(shards))
+        facts = [0] * (len(PLAN_SIZES) + 2 + len(settings) + len(_SHARD_FACTS) * len(shards))
     mine = torch.tensor([failure is not None, shared, *facts], dtype=torch.int64,
                         device=_collective_device(group))  # fmt: skip
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -128,7 +128,7 @@ def agree(
         dist.all_gather_object(errors, mine, group=group)
         type_error, message = errors[failed[0]]
         raise (TypeError if type_error else ValueError)(f"rank {failed[0]}: {message}") from failure
-    names = [*(f"plan {size}" for size in plan.sizes()), "plan", *settings, "shard tokens"]
+    names = [*(f"plan {size}" for size in PLAN_SIZES), "plan", *settings, "shard tokens"]
     names += [f"{shard} {fact}" for shard in shards for fact in _SHARD_FACTS]
     for other, row in enumerate(table):
         for name, value, first in zip(names, row[2:], table[0][2:], strict=True):

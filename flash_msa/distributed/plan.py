@@ -17,6 +17,9 @@ from flash_msa.layout import BlockLayout
 from flash_msa.patterns._build import diagonals, is_int
 
 BALANCES = ("auto", "contiguous", "headtail")
+# The names of CpPlan.sizes(), in its order.
+PLAN_SIZES = ("world_size", "seq_len", "q_block", "kv_block", "layout batch", "layout heads",
+              "active blocks")  # fmt: skip
 
 # H200 figures behind the cost model of balance="auto" (see kv_block_weight).
 NVLINK_BYTES_PER_S = 400e9  # NVLink 4 per direction: 450 GB/s nominal, all-to-all gets less
@@ -380,21 +383,19 @@ class CpPlan:
         head, row = gaps[0].tolist()
         return head, row, int(diagonal[row])
 
-    def sizes(self) -> dict[str, int]:
-        """The plan's sizes by name (world size, the layout's shape and active blocks): ranks
-        compare them, then the digest, before they exchange anything."""
+    def sizes(self) -> list[int]:
+        """The plan's sizes, named by PLAN_SIZES: ranks compare them, then the digest, before
+        they exchange anything."""
         layout = self.layout
-        return {"world_size": self.world_size, "seq_len": layout.seq_len_q,
-                "q_block": layout.q_block, "kv_block": layout.kv_block,
-                "layout batch": layout.layout_batch, "layout heads": layout.layout_heads,
-                "active blocks": layout.nnz}  # fmt: skip
+        return [self.world_size, layout.seq_len_q, layout.q_block, layout.kv_block,
+                layout.layout_batch, layout.layout_heads, layout.nnz]  # fmt: skip
 
     def digest(self) -> int:
         """A 63-bit fingerprint of the plan (its sizes, the layout's blocks, the owners)."""
         if self._digest is None:
             layout = self.layout
             sha = hashlib.sha256()
-            sha.update(repr(list(self.sizes().values())).encode())
+            sha.update(repr(self.sizes()).encode())
             for tensor in (layout.row_offsets, layout.col_indices, self.block_owners):
                 sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
             self._digest = int.from_bytes(sha.digest()[:8], "little") >> 1

@@ -304,6 +304,12 @@ def _bad_inputs(rank, world_size):
         "other owners", rank, lambda: block_sparse_attn_cp(*owned_shards, owned, backend="torch"),
         "plans differ in their blocks or block owners (their sizes agree)",
     )  # fmt: skip
+    # One rank passes something else than a plan: every rank raises its TypeError.
+    not_a_plan = "plan" if rank == world_size - 1 else plan
+    failures += _expect_error(
+        "not a plan", rank, lambda: block_sparse_attn_cp(*shards, not_a_plan, backend="torch"),
+        f"rank {world_size - 1}: plan must be a CpPlan (from cp_plan), got str", TypeError,
+    )  # fmt: skip
     # A plan for another world size.
     wrong = cp_plan(layout, world_size + 1)
     failures += _expect_error(
