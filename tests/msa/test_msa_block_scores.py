@@ -178,26 +178,6 @@ def test_gluon_block_scores_are_refused_off_sm90_and_off_their_blocks():
     assert not block_scores_gluon.supports(q_proxy, 4, 64, 128, documents=False, q_blocks=False)
 
 
-GLUON_SM90_COMPILE = """
-import json, sys
-from flash_msa.msa import block_scores_gluon
-for scores, proxy_dim in (("bf16", 128), ("fp8e4nv", 128), ("fp16", 64)):
-    report = block_scores_gluon.compile_for_sm90(sys.argv[1], scores, proxy_dim)
-    print(json.dumps(dict(report, name=f"{scores} D_p {proxy_dim}")))
-"""
-
-
-def test_gluon_block_scores_compile_for_hopper(sm90):
-    """The Gluon kernel for sm_90 (no GPU needed): warp-specialised (setmaxnreg), on
-    warpgroup MMAs, without spills, and each product in flight while the consumer takes the
-    block before's row maxima."""
-    reports = sm90(GLUON_SM90_COMPILE)
-    assert len(reports) == 3
-    for report in reports:
-        assert report["wgmma"] and report["spills"] == 0, report
-        assert report["setmaxnreg"] and report["maxima_under_products"] >= 32, report
-
-
 def test_block_scores_reference_brute_force():
     q_proxy, k_proxy = _inputs(40, 2, 1, 8, batch=1, dtype=torch.float64, seed=2)
     reference = block_scores_reference(q_proxy, k_proxy, 16, 32)  # [1, 2, 3, 2]

@@ -299,26 +299,6 @@ def test_gluon_selection_is_refused_off_sm90():
     assert not gluon_selection.supports(q_proxy, 128, 16, documents=False, q_blocks=False)
 
 
-GLUON_SM90_COMPILE = """
-import json, sys
-from flash_msa.msa import token_selection_gluon
-for scores, proxy_dim in (("bf16", 128), ("fp8e4nv", 128), ("fp16", 64)):
-    report = token_selection_gluon.compile_for_sm90(sys.argv[1], scores, proxy_dim)
-    print(json.dumps(dict(report, name=f"{scores} D_p {proxy_dim}")))
-"""
-
-
-def test_gluon_selection_compiles_for_hopper(sm90):
-    """The Gluon kernel for sm_90 (no GPU needed): warp-specialised (setmaxnreg), on
-    warpgroup MMAs, without spills, and each product in flight while the block before it
-    enters the top-k (row maxima between a product's issue and its wait)."""
-    reports = sm90(GLUON_SM90_COMPILE)
-    assert len(reports) == 3
-    for report in reports:
-        assert report["wgmma"] and report["spills"] == 0, report
-        assert report["setmaxnreg"] and report["maxima_under_products"] >= 32, report
-
-
 # ---- token_selection_layout ------------------------------------------------------------------
 def _layout_by_loops(selected, seq_len, q_block):
     """{(layout, row): {block: mask}} by walking every token's choices."""
