@@ -20,7 +20,9 @@ Writes DIR/block_selection.json and .md (DIR defaults to benchmarks/results/<gpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+from unittest import mock
 
 import torch
 from common import markdown_table, parse_length, results_dir, run_metadata, timed, write_report
@@ -38,14 +40,11 @@ SCORE_DTYPES = {"bf16": None, "fp8": FP8}
 
 def run_case(seq_len: int, proxy_dim: int, scores_name: str, kernel: str, tile_rows: int,
              device) -> dict:  # fmt: skip
+    """One case's record; kernel "triton" refuses the Gluon kernel every call for the case."""
     block_scores_module.MAX_TILE_ROWS = tile_rows
-    gluon_supports = block_scores_gluon.supports
-    if kernel == "triton":
-        block_scores_gluon.supports = lambda *args, **kwargs: False
-    try:
+    refused = mock.patch.object(block_scores_gluon, "supports", return_value=False)
+    with refused if kernel == "triton" else contextlib.nullcontext():
         return _run_case(seq_len, proxy_dim, scores_name, kernel, tile_rows, device)
-    finally:
-        block_scores_gluon.supports = gluon_supports
 
 
 def _run_case(seq_len, proxy_dim, scores_name, kernel, tile_rows, device) -> dict:
