@@ -230,6 +230,13 @@ def checkpoint_settings(
     return {"variant": model.variant, "device": device.type, **settings}
 
 
+def named_setting(name: str) -> str:
+    """A checkpoint setting's name ("model.dim"), with its `flash-msa niah` option where the
+    field has one: "model.dim (--dim)"."""
+    group, _, field_name = name.rpartition(".")
+    return f"{group}.{named(field_name)}" if group else name
+
+
 def save_checkpoint(path: pathlib.Path, model, optimizer, state: TrainState, settings) -> None:
     """Write the checkpoint atomically (a crash mid-write leaves the previous one)."""
     rng = {"torch": torch.get_rng_state()}
@@ -261,7 +268,7 @@ def load_checkpoint(path: pathlib.Path, model, optimizer, settings) -> TrainStat
             "pass another checkpoint directory"
         ) from error
     differences = [
-        f"{name}={saved.get(name)!r} (now {settings.get(name)!r})"
+        f"{named_setting(name)}={saved.get(name)!r} (now {settings.get(name)!r})"
         for name in sorted(saved.keys() | settings.keys())
         if saved.get(name) != settings.get(name)
     ]

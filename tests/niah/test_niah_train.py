@@ -143,6 +143,9 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
     with pytest.raises(ValueError, match="variant='dense' \\(now 'window'\\)"):
         train(fresh("window"), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path,
               progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"model.dim \(--dim\)=32 \(now 64\)"):
+        train(NeedleLM("dense", dataclasses.replace(MODEL, dim=64)), NEEDLES, SCHEDULE,
+              device=CPU, checkpoint_path=path, progress=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
