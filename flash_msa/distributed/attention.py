@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flash_msa.distributed import comm
-from flash_msa.distributed.plan import CpPlan, RankExchange
+from flash_msa.distributed.plan import CpPlan, RankExchange, check_plan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.ops import registry
 from flash_msa.ops.custom_op import sparse_attention, sparse_attention_backward
@@ -169,12 +169,6 @@ class _ContextParallelAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k, grad_v, None
 
 
-def _check_plan(plan) -> None:
-    if not isinstance(plan, CpPlan):
-        raise TypeError(f"plan must be a CpPlan (from cp_plan), got {type(plan).__name__}")
-    plan.layout.check_unchanged()
-
-
 def _attention_call(q, k, plan, rank, dropout_p, document_ids, causal, window_size,
                     collective) -> registry.AttentionCall:  # fmt: skip
     """What the backend registry chooses by: the rank's local part of the attention."""
@@ -248,7 +242,7 @@ def block_sparse_attn_cp(
         """This rank's checks and its backend; returns its dropout seed (rank 0's is every
         rank's: the bits match one process's) and its SETTINGS."""
         nonlocal chosen_backend
-        _check_plan(plan)
+        check_plan(plan)
         comm.check_group_size(plan, group)
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from flash_msa import _env, patterns
 from flash_msa.distributed import comm
-from flash_msa.distributed.plan import CpPlan
+from flash_msa.distributed.plan import CpPlan, check_plan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.interface import MsaSelection, check_msa_inputs, kept_blocks
@@ -28,9 +28,7 @@ from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 
 def _check_plan(plan, q_block: int, kv_block: int) -> None:
-    if not isinstance(plan, CpPlan):
-        raise TypeError(f"plan must be a CpPlan (from cp_plan), got {type(plan).__name__}")
-    plan.layout.check_unchanged()
+    check_plan(plan)
     layout = plan.layout
     if (layout.q_block, layout.kv_block) != (q_block, kv_block):
         raise ValueError(

@@ -444,6 +444,13 @@ class CpPlan:
         )
 
 
+def check_plan(plan) -> None:
+    """TypeError unless plan is a CpPlan; ValueError if its layout changed since it was built."""
+    if not isinstance(plan, CpPlan):
+        raise TypeError(f"plan must be a CpPlan (from cp_plan), got {type(plan).__name__}")
+    plan.layout.check_unchanged()
+
+
 def check_balance(balance, name: str = "balance") -> None:
     """A cp_plan balance: one of BALANCES (TypeError / ValueError naming the value)."""
     if not isinstance(balance, str):
