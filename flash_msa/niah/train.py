@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -252,6 +253,17 @@ def save_checkpoint(path: pathlib.Path, model, optimizer, state: TrainState, set
     os.replace(partial, path)
 
 
+def _unreadable_reason(error: Exception) -> str:
+    """Why torch.load refused a checkpoint, in a line: under weights_only torch wraps the
+    reason in a page of advice (the whole error stays chained to ours)."""
+    text = str(error)
+    if not text.startswith("Weights only load failed"):
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    found = re.search(r"WeightsUnpickler error:\s*([^.\n]*)", text)
+    detail = found.group(1).strip() if found else ""
+    return f"weights_only refused it: {detail}" if detail else "not a file torch.save wrote"
+
+
 def load_checkpoint(path: pathlib.Path, model, optimizer, settings) -> TrainState:
     """Restore model, optimiser and RNG states from path; the state to continue from.
 
@@ -264,8 +276,8 @@ def load_checkpoint(path: pathlib.Path, model, optimizer, settings) -> TrainStat
         saved = payload["settings"]
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
         raise ValueError(
-            f"checkpoint {path} is unreadable ({type(error).__name__}: {error}): delete it, or "
-            "pass another checkpoint directory"
+            f"checkpoint {path} is unreadable ({_unreadable_reason(error)}): delete it, or pass "
+            "another checkpoint directory"
         ) from error
     differences = [
         f"{named_setting(name)}={saved.get(name)!r} (now {settings.get(name)!r})"

@@ -179,9 +179,19 @@ class RunsCodeWhenLoaded:
 def test_a_checkpoint_holding_code_is_refused_unrun(tmp_path, capsys):
     path = tmp_path / "dense.pt"
     torch.save(dict(settings=RunsCodeWhenLoaded()), path)
-    with pytest.raises(ValueError, match=r"(?s)dense.pt is unreadable .*: delete it"):
+    with pytest.raises(ValueError, match=r"dense.pt is unreadable \(weights_only refused it: "
+                       r"Unsupported global: GLOBAL print [^\n]*\): delete it"):  # fmt: skip
         train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, progress=False)
     assert "code ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, reason", [("not a checkpoint", "weights_only refused it: "
+                                               "Unsupported operand"), ("", "EOFError")])
+def test_a_corrupt_checkpoint_is_refused_in_a_line(tmp_path, content, reason):
+    path = tmp_path / "dense.pt"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"dense.pt is unreadable \({reason}[^\n]*\): delete it"):
+        train(fresh(), NEEDLES, SCHEDULE, device=CPU, checkpoint_path=path, progress=False)
 
 
 def test_step_timing_changes_no_parameter():
