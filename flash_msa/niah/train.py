@@ -231,7 +231,7 @@ def checkpoint_settings(
     return {"variant": model.variant, "device": device.type, **settings}
 
 
-def named_setting(name: str) -> str:
+def _named_setting(name: str) -> str:
     """A checkpoint setting's name ("model.dim"), with its `flash-msa niah` option where the
     field has one: "model.dim (--dim)"."""
     group, _, field_name = name.rpartition(".")
@@ -280,7 +280,7 @@ def load_checkpoint(path: pathlib.Path, model, optimizer, settings) -> TrainStat
             "another checkpoint directory"
         ) from error
     differences = [
-        f"{named_setting(name)}={saved.get(name)!r} (now {settings.get(name)!r})"
+        f"{_named_setting(name)}={saved.get(name)!r} (now {settings.get(name)!r})"
         for name in sorted(saved.keys() | settings.keys())
         if saved.get(name) != settings.get(name)
     ]
