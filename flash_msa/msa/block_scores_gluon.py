@@ -26,21 +26,19 @@ from triton.experimental.gluon import language as gl
 
 from flash_msa import _env
 from flash_msa.msa.proxy_walk_gluon import (
-    DTYPES,
-    KV_BLOCK,
-    key_descriptor,
-    key_ring,
-    load_key_tiles,
-    walk_blocks,
-)
-from flash_msa.msa.token_selection_gluon import (
     CONSUMER_REGISTERS,
     CONSUMER_WARPS,
+    DTYPES,
+    KV_BLOCK,
     MAX_REGISTERS,
     NUM_STAGES,
     PRODUCER_REGISTERS,
     PRODUCER_WARPS,
     PROXY_DIMS,
+    key_descriptor,
+    key_ring,
+    load_key_tiles,
+    walk_blocks,
 )
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 

@@ -32,6 +32,15 @@ from flash_msa.ops.gluon.forward import mma_layout
 
 KV_BLOCK = 128  # keys of a proxy key tile
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, FP8: gl.float8e4nv}
+PROXY_DIMS = (64, 128)
+NUM_STAGES = 4  # key tiles in flight (deeper rings measured no faster: docs/performance.md)
+CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
+PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
+# setmaxnreg budgets of the three warpgroups (2 consumers and the producer's): 168 a thread
+# on average (64K registers / 384 threads, rounded down to 8), most of it the consumers'.
+MAX_REGISTERS = 168
+CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(240)
+PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 
 
 def key_descriptor(k_proxy: torch.Tensor) -> TensorDescriptor:

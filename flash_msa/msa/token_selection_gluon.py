@@ -29,8 +29,15 @@ from triton.experimental.gluon import language as gl
 
 from flash_msa import _env
 from flash_msa.msa.proxy_walk_gluon import (
+    CONSUMER_REGISTERS,
+    CONSUMER_WARPS,
     DTYPES,
     KV_BLOCK,
+    MAX_REGISTERS,
+    NUM_STAGES,
+    PRODUCER_REGISTERS,
+    PRODUCER_WARPS,
+    PROXY_DIMS,
     key_descriptor,
     key_ring,
     load_key_tiles,
@@ -41,18 +48,9 @@ from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 BLOCK_M = 128  # rows of a program
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
-PROXY_DIMS = (64, 128)
 # Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
 # spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
 MAX_KEPT = 64
-NUM_STAGES = 4  # key tiles in flight (deeper rings measured no faster: docs/performance.md)
-CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
-PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
-# setmaxnreg budgets of the three warpgroups (2 consumers and the producer's): 168 a thread
-# on average (64K registers / 384 threads, rounded down to 8), most of it the consumers'.
-MAX_REGISTERS = 168
-CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(240)
-PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 
 
 def supports(q_proxy: torch.Tensor, kv_block: int, kept: int, documents: bool,
