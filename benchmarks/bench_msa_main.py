@@ -7,14 +7,17 @@ backward, on one GPU.
 bench_msa's inputs (bf16, B=1, H_q=64, H_kv=4, D=128; 4 proxy heads, top_k 16, kv_block 128;
 causal) with local proxies; each variant (granularity:q_block) selects once, then
 block_sparse_attn_func runs over that selection with backend "triton" and "gluon" (whose
-backward takes dK and dV from its Gluon kernel, dQ from the Triton dQ kernel). TFLOP/s over
+backward takes dK and dV from its Gluon kernel, dQ from the Triton dQ kernel; with
+deterministic=False, timed too, dQ added in the dK / dV kernel). TFLOP/s over
 the (query, key <= query) pairs the selection holds (forward 4 D flops a pair and head,
 forward + backward 3.5x that); each gluon record carries its output's and lse's relative
 difference from triton's, and the gluon backward alone given that forward's out and lse
 (backward.attention_backward) with dQ from the Triton dQ kernel and from the Gluon one
 (grad_q "triton" / "gluon"), with the largest relative difference of the second's dq, dk,
 dv from the first's. Writes DIR/msa_main.json and msa_main.md (DIR defaults to
-benchmarks/results/<gpu>/), keeping the records of the cases this run leaves out.
+benchmarks/results/<gpu>/), keeping the records of the cases this run leaves out; with
+--profile also DIR/msa_main_profile.txt: torch.profiler's kernel table of one gluon forward
++ backward per case (where its time goes).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from common import (
     timed,
     write_report,
 )
+from torch.profiler import ProfilerActivity, profile
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.msa.interface import select
@@ -70,8 +74,23 @@ def dq_modes(q, k, v, dout, out, lse, layout, query_masks) -> dict:
                 gluon_dq_difference=difference)  # fmt: skip
 
 
-def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int) -> list[dict]:
-    """One selection, then the main attention over it per backend: the records."""
+def kernel_table(step, grad_to_none, rows: int = 14) -> str:
+    """torch.profiler's table of one call of step (after one untimed call), its kernels by
+    total CUDA time; the tensors of grad_to_none have their .grad cleared before each call."""
+    for _ in range(2):
+        for tensor in grad_to_none:
+            tensor.grad = None
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int,
+                profiles: list[str] | None) -> list[dict]:  # fmt: skip
+    """One selection, then the main attention over it per backend: the records (and, given
+    profiles, the gluon forward + backward's kernel table appended to it)."""
     q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
     with torch.no_grad():
         selection, _ = select(
@@ -84,15 +103,21 @@ def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int) -> l
     records, outputs = [], {}
     for backend in BACKENDS:
 
-        def attention(backend=backend):
+        def attention(backend=backend, deterministic=True):
             return block_sparse_attn_func(q, k, v, layout, causal=True, query_masks=query_masks,
-                                          backend=backend, return_lse=True)  # fmt: skip
+                                          backend=backend, return_lse=True,
+                                          deterministic=deterministic)  # fmt: skip
 
         with torch.no_grad():
             forward_ms = timed(attention)["ms"]
             outputs[backend] = attention()
         free_memory()
         both = timed(lambda attention=attention: attention()[0].backward(dout), [q, k, v])
+        if profiles is not None and backend == "gluon":
+            table = kernel_table(lambda attention=attention: attention()[0].backward(dout),
+                                 [q, k, v])  # fmt: skip
+            profiles.append(f"S={seq_len:,} {granularity} q_block {q_block}, gluon forward + "
+                            f"backward:\n{table}")  # fmt: skip
         record = dict(
             seq_len=seq_len, granularity=granularity, q_block=q_block, backend=backend,
             forward_ms=round(forward_ms, 4), fwd_bwd_ms=round(both["ms"], 4),
@@ -106,10 +131,17 @@ def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int) -> l
             record["lse_difference"] = relative_difference(outputs[backend][1],
                                                            outputs["triton"][1])  # fmt: skip
             record.update(dq_modes(q, k, v, dout, *outputs[backend], layout, query_masks))
+            free_memory()
+            ms = timed(lambda attention=attention: attention(deterministic=False)[0].backward(
+                dout), [q, k, v])["ms"]  # fmt: skip
+            record["fwd_bwd_nondeterministic_ms"] = round(ms, 4)
+            record["fwd_bwd_nondeterministic_tflops"] = round(
+                3.5 * 4 * HEAD_DIM * pairs / ms / 1e9, 1)  # fmt: skip
         backward = ""
         if "backward_ms" in record:
             backward = (f"; backward {record['backward_ms']:.3f} ms, with the Gluon dQ "
-                        f"{record['backward_gluon_dq_ms']:.3f} ms")  # fmt: skip
+                        f"{record['backward_gluon_dq_ms']:.3f} ms; fwd+bwd deterministic=False "
+                        f"{record['fwd_bwd_nondeterministic_ms']:.3f} ms")  # fmt: skip
         print(f"S={seq_len:>8,} {granularity:5s} q{q_block:<3d} {backend:6s} forward "
               f"{forward_ms:8.3f} ms ({record['forward_tflops']} TF/s), fwd+bwd "
               f"{both['ms']:8.3f} ms ({record['fwd_bwd_tflops']} TF/s){backward}",
@@ -125,7 +157,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     columns = ["S", "granularity", "q_block", "backend", "forward ms (TF/s)",
                "fwd+bwd ms (TF/s)", "forward speed-up vs triton", "fwd+bwd speed-up vs triton",
                "out / lse difference vs triton", "backward ms: Triton dQ / Gluon dQ",
-               "Gluon dQ's gradient difference"]  # fmt: skip
+               "Gluon dQ's gradient difference",
+               "fwd+bwd deterministic=False ms (TF/s)"]  # fmt: skip
     rows = []
     for record in records:
         base = triton.get((record["seq_len"], record["granularity"], record["q_block"]))
@@ -135,10 +168,13 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         difference = "-"
         if "out_difference" in record:
             difference = f"{record['out_difference']:.1e} / {record['lse_difference']:.1e}"
-        modes = ["-", "-"]
+        modes = ["-", "-", "-"]
         if "backward_ms" in record:
             modes = [f"{record['backward_ms']:.3f} / {record['backward_gluon_dq_ms']:.3f}",
-                     f"{record['gluon_dq_difference']:.1e}"]  # fmt: skip
+                     f"{record['gluon_dq_difference']:.1e}", "-"]  # fmt: skip
+        if "fwd_bwd_nondeterministic_ms" in record:
+            modes[2] = (f"{record['fwd_bwd_nondeterministic_ms']:.3f} "
+                        f"({record['fwd_bwd_nondeterministic_tflops']})")  # fmt: skip
         rows.append((record, [
             f"{record['seq_len']:,}", record["granularity"], record["q_block"], record["backend"],
             f"{record['forward_ms']:.3f} ({record['forward_tflops']})",
@@ -152,7 +188,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         "local proxies. Granularity token: q_block tokens x 16 heads a tile over the union of "
         "the tokens' blocks, a bit per token; block: one choice per 64-query block (64 x 2 "
         "heads a gluon tile). The gluon backward takes dQ from the Triton dQ kernel; its last "
-        "columns time it alone per dQ mode (grad_q triton / gluon). Medians "
+        "columns but one time it alone per dQ mode (grad_q triton / gluon), the last the "
+        "forward + backward with deterministic=False (dQ added in the dK / dV kernel). Medians "
         "of do_bench; TFLOP/s over the selected (query, key <= query) pairs.",
         body=markdown_table(columns, rows),
     )  # fmt: skip
@@ -165,6 +202,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="128k,1m", help="e.g. 128k,1m")
     parser.add_argument("--variants", default="token:8,block:64", help="granularity:q_block,...")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="write msa_main_profile.txt")
     args = parser.parse_args()
     variants = []
     for text in args.variants.split(","):
@@ -180,13 +218,19 @@ def main() -> None:
     records = kept_records(out_dir / "msa_main.json",
                            lambda r: (r["seq_len"], r["granularity"], r["q_block"]),
                            measured)  # fmt: skip
+    profiles = [] if args.profile else None
     for seq_len in seq_lens:
         inputs = random_inputs(seq_len, device, "local")
         for granularity, q_block in variants:
             records += [{**record, **meta}
-                        for record in run_variant(seq_len, inputs, granularity, q_block)]
+                        for record in run_variant(seq_len, inputs, granularity, q_block,
+                                                  profiles)]  # fmt: skip
             records.sort(key=lambda r: (r["seq_len"], r["granularity"], r["q_block"]))
             write_reports(records, meta, out_dir)  # partial results survive a timeout
+            if profiles:
+                header = f"# {meta['device']}; torch {meta['torch']}; commit {meta.get('commit')}"
+                text = "\n\n".join([header, *profiles])
+                (out_dir / "msa_main_profile.txt").write_text(text + "\n")
         del inputs
         free_memory()
     print(f"wrote {out_dir}/msa_main.json and msa_main.md")

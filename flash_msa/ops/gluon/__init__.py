@@ -12,7 +12,7 @@ refuses (dropout, and what _check names) to the next backend.
 Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
 into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
 selection, 8 x 16 per token), with or without per-token query masks, forward and backward
-(dK and dV in Gluon, dQ from the Triton dQ kernel: deterministic either way).
+in both modes (dQ tiles of packed heads added as boxes of positions x heads).
 """
 
 import functools
@@ -51,13 +51,11 @@ def _backward(
     query_masks, deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
-    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward.
-    Tiles of packed heads (q_block below 128) take "triton" either way."""
-    fused = not deterministic and layout.q_block == BLOCK_M
+    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward."""
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
-        grad_q="atomic" if fused else "triton",
+        grad_q="triton" if deterministic else "atomic",
     )  # fmt: skip
 
 

@@ -198,16 +198,18 @@ def _ptx(value, INSTRUCTIONS: gl.constexpr):
 
 
 @gluon.jit
-def _dq_writer(writes, MODE: gl.constexpr):
+def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
     """One warp (with MODE.fused; else none of its work): each step, the consumers' dQ tiles
     [QUERY_ROWS, D / 2] fp32 (one each) added into dQ with TMA reduce-adds, then their slots
-    freed. MODE.ordered: the adds into a query half come in the order of its kv blocks, the
-    highest first, so dQ is bitwise reproducible: an i32 counter per (batch, query head,
-    query half) counts the kv blocks added so far, and the kv block of entry e of the column
-    waits for it to reach turns[e] (entry_turns), adds, waits for its adds to complete and
-    counts itself. The programs run highest kv block first, so a program waits only on ones
-    started before it (no deadlock), and under a causal or banded layout the kv block c + 1
-    reaches a query block one step before c does: in step, the waits are short."""
+    freed; PACK > 1, a tile's rows are QUERY_ROWS / PACK positions x PACK heads, added as a
+    box [1, positions, PACK, D / 2] of the 4-D view. MODE.ordered (PACK 1): the adds into a
+    query half come in the order of its kv blocks, the highest first, so dQ is bitwise
+    reproducible: an i32 counter per (batch, query head, query half) counts the kv blocks
+    added so far, and the kv block of entry e of the column waits for it to reach turns[e]
+    (entry_turns), adds, waits for its adds to complete and counts itself. The programs run
+    highest kv block first, so a program waits only on ones started before it (no deadlock),
+    and under a causal or banded layout the kv block c + 1 reaches a query block one step
+    before c does: in step, the waits are short."""
     if MODE.fused:
         dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns = writes
         (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
@@ -215,10 +217,10 @@ def _dq_writer(writes, MODE: gl.constexpr):
         ROWS: gl.constexpr = dq_smem.type.shape[1]
         HALF_D: gl.constexpr = dq_smem.type.shape[2]
         step = 0
-        for member in range(group):
-            head, start, end = _column(walk, member)
+        for member in range(group // PACK):
+            head, start, end = _column(walk, member, PACK)
             for half_block in range(2 * start, 2 * end):
-                query_first = _query_first(t_col_indices, half_block, ROWS)  # PACK 1
+                query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
                 if MODE.ordered:
                     counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
                                + query_first // ROWS)  # fmt: skip
@@ -230,9 +232,13 @@ def _dq_writer(writes, MODE: gl.constexpr):
                     _ptx(turn, "fence.acq_rel.gpu; fence.proxy.async.global;")
                 for half in gl.static_range(2):
                     mbarrier.wait(dq_full.index(half), step & 1)
-                    _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
-                                              head * 2 * HALF_D + half * HALF_D],
-                                    dq_smem.index(half))  # fmt: skip
+                    if PACK == 1:
+                        _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
+                                                  head * 2 * HALF_D + half * HALF_D],
+                                        dq_smem.index(half))  # fmt: skip
+                    else:  # positions from S_q on are dropped
+                        _tma_reduce_add(dq_desc, [batch, query_first, head, half * HALF_D],
+                                        dq_smem.index(half).reshape(dq_desc.block_type.shape))
                 if MODE.ordered:
                     # Release once the adds are complete (not only read from shared memory).
                     _ptx(turn, "cp.async.bulk.wait_group 0; fence.proxy.async.global; "
@@ -403,7 +409,8 @@ def _backward_kernel(
     [128, D]; dk_desc / dv_desc: grad_k / grad_v's like views in blocks [64, D]. lse
     (natural log), delta = rowsum(dO * O): fp32 [B, H_q, S_q]; dq_desc: with GRAD_Q an fp32
     [B * S_q, H_q * D] view of zeros in blocks [64, D / 2], added to (TMA reduce-adds; rows
-    past S_q get zeros added); with ORDERED, counters: i32 zeros [B, H_q, halves] (halves:
+    past S_q get zeros added), PACK > 1 the 4-D [B, S_q, H_q, D] in boxes [1, 64 / PACK,
+    PACK, D / 2]; with ORDERED (PACK 1), counters: i32 zeros [B, H_q, halves] (halves:
     the query halves of a head, 2 * ceil(S_q / 128)) and turns: i32 [nnz], each entry of
     the transposed layout's turn in its query block's row (entry_turns, _dq_writer). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
@@ -442,8 +449,9 @@ def _backward_kernel(
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if GRAD_Q:
         # A consumer's dQ tile [64, D / 2] fp32 on its way out (32 KB for both at D = 128).
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM // 2],
-                                            dq_desc.layout)  # fmt: skip
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM // 2],
+                                                                       gl.float32)  # fmt: skip
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM // 2], dq_layout)
         for i in gl.static_range(3):
             mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
@@ -474,7 +482,7 @@ def _backward_kernel(
     gl.warp_specialize(
         [(_consumer, (shared, UPPER, MODE, MASKS, PACK)),
          (_consumer, (shared, LOWER, MODE, MASKS, PACK)), (_producer, (loads, PACK)),
-         (_dq_writer, (writes, MODE))],
+         (_dq_writer, (writes, MODE, PACK))],
         [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
@@ -554,7 +562,7 @@ def attention_backward(
             dQ kernel (dq.grad_q); "ordered", beside dK and dV in
             the Gluon kernel (five matmuls), added to an fp32 dQ in each query half's kv
             order (bitwise reproducible); "atomic", the same added in any order. Query
-            blocks below 128 take "triton" only.
+            blocks below 128 (packed heads) take every mode but "ordered".
         num_stages: depth of the Q / dO shared-memory ring (2 for "ordered" and "atomic",
             whose P, dS and dQ tiles take 80 KB of shared memory).
 
@@ -565,10 +573,10 @@ def attention_backward(
         raise ValueError(f"grad_q must be one of {GRAD_Q_MODES}, got {grad_q!r}")
     fused = grad_q in ("ordered", "atomic")
     pack = BLOCK_M // layout.q_block
-    if fused and pack > 1:
+    if grad_q == "ordered" and pack > 1:
         raise ValueError(
-            f"grad_q={grad_q!r} adds dQ tiles of 64 positions of one head: q_block "
-            f"{layout.q_block} packs {pack} heads a tile, use grad_q='triton'"
+            f"grad_q='ordered' counts the adds per query half of one head: q_block "
+            f"{layout.q_block} packs {pack} heads a tile, use grad_q='triton' or 'atomic'"
         )
     if fused and num_stages > 2:
         raise ValueError(
@@ -596,7 +604,7 @@ def attention_backward(
         dq, delta = grad_q_and_delta(grad_out, q, k, v, out, lse, layout, **options,
                                      query_masks=query_masks)  # fmt: skip
     if not fused:  # the kernel's dQ view stands in, never read
-        accumulated = torch.empty(1, QUERY_ROWS, 1, head_dim, device=q.device)
+        accumulated = torch.empty(1, QUERY_ROWS, pack, head_dim, device=q.device)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
     masks, window_left, window_right = kernel_masks(
@@ -615,7 +623,9 @@ def attention_backward(
         q_desc=q_desc, do_desc=do_desc,
         k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
         dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N),
-        dq_desc=_descriptor(accumulated, QUERY_ROWS, head_dim // 2), lse=lse, delta=delta,
+        dq_desc=(_descriptor(accumulated, QUERY_ROWS, head_dim // 2) if pack == 1
+                 else _packed_descriptor(accumulated, pack, head_dim // 2)),
+        lse=lse, delta=delta,
         grad_k=grad_k, grad_v=grad_v,
         t_row_offsets=transposed.row_offsets, t_col_indices=transposed.col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // heads_kv,

@@ -148,7 +148,7 @@ def compile_backward(
             else (1, backward.QUERY_ROWS // pack, pack, head_dim))  # fmt: skip
     types.update(
         q_desc=descriptor_type(dtype, *half), do_desc=descriptor_type(dtype, *half),
-        dq_desc=descriptor_type("fp32", backward.QUERY_ROWS, head_dim // 2), lse="*fp32",
+        dq_desc=descriptor_type("fp32", *half[:-1], head_dim // 2), lse="*fp32",
         delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",

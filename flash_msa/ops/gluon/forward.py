@@ -814,12 +814,14 @@ def _descriptor(tensor: torch.Tensor, rows: int, columns: int | None = None) -> 
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
-def _packed_descriptor(tensor: torch.Tensor, pack: int) -> TensorDescriptor:
+def _packed_descriptor(
+    tensor: torch.Tensor, pack: int, columns: int | None = None
+) -> TensorDescriptor:
     """The 4-D TMA view of a [B, S, H, D] tensor with contiguous rows in boxes [1, 64 / pack
-    positions, pack heads, D]: a query half of pack heads a position (TMA fills positions
-    from S on with zeros and drops them from stores)."""
-    block = [1, HALF_M // pack, pack, tensor.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
+    positions, pack heads, columns (D unless given)]: a query half of pack heads a position
+    (TMA fills positions from S on with zeros and drops them from stores)."""
+    block = [1, HALF_M // pack, pack, columns or tensor.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, VIEW_DTYPES[tensor.dtype])
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
 
 

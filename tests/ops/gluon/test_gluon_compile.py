@@ -148,11 +148,14 @@ def test_forward_compiles_for_hopper(reports):
 def test_backward_compiles_for_hopper(tmp_path):
     """The backward in each dQ mode (the Triton dQ kernel's with every mask), and over
     query blocks of packed heads with per-token query masks (MSA's 8 x 16 per token, 64 x
-    2), uses wgmma within the consumers' register budget and Hopper's shared memory. Its
-    spills are measured, not pinned (docs/performance.md)."""
+    2) with dQ from the dQ kernel or added in the kernel, uses wgmma within the consumers'
+    register budget and Hopper's shared memory. Its spills are measured, not pinned
+    (docs/performance.md)."""
     variants = [[128, "bf16", 2, "atomic", {}, 1], [64, "bf16", 2, "ordered", ALL_MASKS, 1],
                 [128, "fp16", 3, "triton", ALL_MASKS, 1],
                 [128, "bf16", 2, "triton", PER_TOKEN, 16],
+                [128, "bf16", 2, "atomic", PER_TOKEN, 16],
+                [64, "fp16", 2, "atomic", {**ALL_MASKS, "query": True}, 2],
                 [64, "fp16", 2, "triton", {**ALL_MASKS, "query": True}, 2]]  # fmt: skip
     reports = compile_variants(tmp_path, variants, BACKWARD_SCRIPT)
     assert len(reports) == len(variants)
@@ -224,19 +227,19 @@ def test_shared_memory_need_bounds_the_compiled_kernel(reports):
         assert report["shared"] <= need <= report["shared"] + 4096, (label(report), need)
 
 
-def test_backward_of_packed_tiles_takes_dq_from_the_dq_kernel_only():
-    """dQ tiles added in the kernel hold 64 positions of one head: over query blocks of
-    packed heads the backward refuses those modes before any launch, naming the one left."""
+def test_backward_of_packed_tiles_refuses_the_ordered_mode():
+    """The ordered mode counts its adds per query half of one head: over query blocks of
+    packed heads the backward refuses it before any launch, naming the modes left."""
     from flash_msa.ops.gluon import backward
 
     q, k, v = random_qkv(1, 256, 16, 64)
     layout = patterns.causal(256, q_block=8, kv_block=128)
     lse = torch.zeros(1, 16, 256)
-    for grad_q in ("atomic", "ordered"):
-        with pytest.raises(ValueError, match="q_block 8 packs 16 heads a tile, use grad_q='tr"):
-            backward.attention_backward(q, q, k, v, q, lse, layout, causal=True,
-                                        window_size=(-1, -1), softmax_scale=0.125,
-                                        grad_q=grad_q)  # fmt: skip
+    with pytest.raises(ValueError, match="q_block 8 packs 16 heads a tile, use grad_q='triton' "
+                                         "or 'atomic'"):  # fmt: skip
+        backward.attention_backward(q, q, k, v, q, lse, layout, causal=True,
+                                    window_size=(-1, -1), softmax_scale=0.125,
+                                    grad_q="ordered")  # fmt: skip
 
 
 def test_refuses_cpu_tensors_and_bad_mask_options():
