@@ -8,7 +8,7 @@ bench_msa's inputs (bf16, B=1, H_q=64, H_kv=4, D=128; 4 proxy heads, top_k 16, k
 causal) with local proxies; each variant (granularity:q_block) selects once, then
 block_sparse_attn_func runs over that selection with backend "triton" and "gluon" (whose
 backward takes dK and dV from its Gluon kernel, dQ from the Triton dQ kernel; with
-deterministic=False, timed too, dQ added in the dK / dV kernel). TFLOP/s over
+deterministic=False, timed too, at q_block 64 dQ added in the dK / dV kernel). TFLOP/s over
 the (query, key <= query) pairs the selection holds (forward 4 D flops a pair and head,
 forward + backward 3.5x that); each gluon record carries its output's and lse's relative
 difference from triton's, and the gluon backward alone given that forward's out and lse

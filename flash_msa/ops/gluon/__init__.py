@@ -12,7 +12,8 @@ refuses (dropout, and what _check names) to the next backend.
 Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
 into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
 selection, 8 x 16 per token), with or without per-token query masks, forward and backward
-in both modes (dQ tiles of packed heads added as boxes of positions x heads).
+(with deterministic=False, q_block 64 adds dQ tiles of packed heads in the dK / dV kernel as
+boxes of positions x heads; smaller blocks keep the dQ kernel, measured faster there).
 """
 
 import functools
@@ -30,6 +31,11 @@ from flash_msa.ops.gluon.forward import (
     padded_length,
 )
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
+
+# deterministic=False adds dQ in the dK / dV kernel over query blocks of at least this many
+# positions: over 8-position blocks of 16 heads (MSA per token) its adds measured slower than
+# the dQ kernel (docs/performance.md, "Tiles of packed query heads").
+ATOMIC_MIN_Q_BLOCK = 64
 
 
 def _forward(
@@ -51,11 +57,13 @@ def _backward(
     query_masks, deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
-    faster reproducible mode, measured) or, deterministic=False, "atomic"; as _forward."""
+    faster reproducible mode, measured) or, deterministic=False, "atomic" where q_block is
+    at least ATOMIC_MIN_Q_BLOCK; as _forward."""
+    fused = not deterministic and layout.q_block >= ATOMIC_MIN_Q_BLOCK
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
-        grad_q="triton" if deterministic else "atomic",
+        grad_q="atomic" if fused else "triton",
     )  # fmt: skip
 
 

@@ -242,6 +242,28 @@ def test_backward_of_packed_tiles_refuses_the_ordered_mode():
                                     grad_q="ordered")  # fmt: skip
 
 
+@pytest.mark.parametrize("q_block, deterministic, grad_q", [
+    (128, True, "triton"), (128, False, "atomic"), (64, False, "atomic"), (64, True, "triton"),
+    (8, False, "triton"),
+])  # fmt: skip
+def test_registry_backward_takes_the_measured_dq_mode(monkeypatch, q_block, deterministic,
+                                                      grad_q):  # fmt: skip
+    """The gluon backend's backward takes the Triton dQ kernel when deterministic, and with
+    deterministic=False dQ added in the dK / dV kernel where q_block is 64 or more (over
+    8-position blocks of 16 heads the adds measured slower: docs/performance.md)."""
+    from flash_msa.ops import gluon
+
+    taken = []
+    monkeypatch.setattr(gluon.backward, "attention_backward",
+                        lambda *args, grad_q, **kwargs: taken.append(grad_q))  # fmt: skip
+    layout = patterns.causal(256, q_block=q_block, kv_block=128)
+    q = torch.zeros(1, 256, 16, 64)
+    gluon._backward(q, q, q, q, q, None, layout, causal=True, window_size=(-1, -1),
+                    softmax_scale=0.125, document_ids=None, query_masks=None,
+                    deterministic=deterministic)  # fmt: skip
+    assert taken == [grad_q]
+
+
 def test_refuses_cpu_tensors_and_bad_mask_options():
     from flash_msa.ops.gluon import attention_forward
 
