@@ -223,7 +223,9 @@ class MSAAttention(_ProjectedAttention):
     the main attention, always causal, runs over those blocks only. q_block None: msa_func's
     default (for "token", only the main attention's query tile: 8 where num_heads /
     num_proxy_heads packs 16 heads or more to a tile, else 16; 64 for "block"). score_dtype
-    torch.float8_e4m3fn scores the blocks in FP8 (msa_func's).
+    torch.float8_e4m3fn scores the blocks in FP8 (msa_func's). deterministic: msa_func's (False:
+    a faster main-attention backward where the backend has one, its sums in a varying order;
+    the context-parallel path's backward is the reproducible one).
 
     Train with loss = task_loss + coefficient * kl_loss: selection is discrete, so the proxy
     projection learns from kl_loss alone (it reads x detached), and kl_loss sends no gradient
@@ -251,6 +253,7 @@ class MSAAttention(_ProjectedAttention):
         kv_block: int = 128,
         granularity: str = "token",
         score_dtype: torch.dtype | None = None,
+        deterministic: bool = True,
         rope_base: float = 10000.0,
         bias: bool = False,
         cp_group=None,
@@ -259,6 +262,8 @@ class MSAAttention(_ProjectedAttention):
     ):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
         check_granularity(granularity)  # first: it sets q_block's default
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
         check_score_dtype(score_dtype, torch.device("cpu"))  # the GPU: per call
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,
@@ -290,6 +295,7 @@ class MSAAttention(_ProjectedAttention):
         self.proxy_head_dim, self.rope_base = proxy_head_dim, rope_base
         self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block
         self.granularity, self.score_dtype = granularity, score_dtype
+        self.deterministic = deterministic
         proxy_dim = (num_proxy_heads + num_proxy_kv_heads) * proxy_head_dim
         self.proxy_proj = nn.Linear(embed_dim, proxy_dim, bias=bias, device=device, dtype=dtype)
         _check_cp_group(cp_group)
@@ -367,4 +373,5 @@ class MSAAttention(_ProjectedAttention):
             warmup=warmup,
             granularity=self.granularity,
             score_dtype=self.score_dtype,
+            deterministic=self.deterministic,
         )

@@ -323,6 +323,7 @@ def msa_func(
     warmup: bool = False,
     granularity: str = "token",
     score_dtype: torch.dtype | None = None,
+    deterministic: bool = True,
     return_selection: bool = False,
 ):
     """MiniMax Sparse Attention, causal: the proxy picks key blocks, the main attention runs
@@ -354,6 +355,8 @@ def msa_func(
         granularity: "token" or "block", as above.
         score_dtype: None (the proxies' dtype) or torch.float8_e4m3fn: FP8 products for the
             selection's scores (select_tokens' or block_scores'; sm_89 and up).
+        deterministic: the main attention's, as in block_sparse_attn_func (False: a faster
+            backward where the backend has one; the KL's gradients stay reproducible).
         return_selection: also return the MsaSelection the main attention ran over.
 
     Returns:
@@ -373,8 +376,9 @@ def msa_func(
         q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, cu_seqlens,
         granularity, score_dtype, warmup,
     )  # fmt: skip
-    if not isinstance(return_selection, bool):
-        raise TypeError(f"return_selection must be a bool, got {return_selection!r}")
+    for name, value in (("deterministic", deterministic), ("return_selection", return_selection)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
     refusal = _env.triton_refusal(q.device, q.dtype)
     if refusal is not None:
         reason, error = refusal
@@ -396,6 +400,7 @@ def msa_func(
     out, lse = block_sparse_attn_func(
         q, k, v, selection.layout, causal=True, softmax_scale=scale, return_lse=True,
         document_ids=document_ids, query_masks=selection.query_masks,
+        deterministic=deterministic,
     )  # fmt: skip
     kl_loss = checked_kl_loss(
         q_proxy, k_proxy, q, k, lse, kl_selection.layout, softmax_scale=scale,

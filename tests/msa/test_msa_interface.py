@@ -207,11 +207,38 @@ def test_msa_func_rejects_bad_tensors(change, error, match):
         msa_func(*change(tensors), top_k=2, q_block=16, kv_block=16)
 
 
-@pytest.mark.parametrize("option", ["warmup", "return_selection"])
+@pytest.mark.parametrize("option", ["warmup", "deterministic", "return_selection"])
 def test_msa_func_rejects_flags_that_are_not_bools(option):
     tensors = [t.detach() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
     with pytest.raises(TypeError, match=f"{option} must be a bool, got 'yes'"):
         msa_func(*tensors, top_k=2, q_block=16, kv_block=16, **{option: "yes"})
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_reaches_the_main_attention(monkeypatch, deterministic):
+    """msa_func's and MSAAttention's deterministic flag is the main attention's, with the
+    same outputs either way where the backend has one backward (the CPU's)."""
+    from flash_msa.msa import interface
+
+    seen = []
+    attention = interface.block_sparse_attn_func
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(interface, "block_sparse_attn_func", recording)
+    tensors = [t.detach() for t in _inputs(1, 32, (4, 2, 2, 1), 16, 16)]
+    out, kl_loss = msa_func(*tensors, top_k=2, q_block=16, kv_block=16,
+                            deterministic=deterministic)  # fmt: skip
+    expected = msa_func(*tensors, top_k=2, q_block=16, kv_block=16)
+    assert torch.equal(out, expected[0]) and torch.equal(kl_loss, expected[1])
+    layer = MSAAttention(32, 4, num_kv_heads=2, num_proxy_heads=2, proxy_head_dim=16, top_k=2,
+                         q_block=16, kv_block=16, deterministic=deterministic, device=DEVICE)
+    layer(torch.randn(1, 32, 32, device=DEVICE))
+    assert seen == [deterministic, True, deterministic]
+    with pytest.raises(TypeError, match="deterministic must be a bool, got int"):
+        MSAAttention(32, 4, num_kv_heads=2, num_proxy_heads=2, deterministic=1)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter runs on the CPU")
