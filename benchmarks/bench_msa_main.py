@@ -77,13 +77,16 @@ def dq_modes(q, k, v, dout, out, lse, layout, query_masks) -> dict:
 def kernel_table(step, grad_to_none, rows: int = 14) -> str:
     """torch.profiler's table of one call of step (after one untimed call), its kernels by
     total CUDA time; the tensors of grad_to_none have their .grad cleared before each call."""
-    for _ in range(2):
+
+    def run():
         for tensor in grad_to_none:
             tensor.grad = None
+        step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
+
+    run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 

@@ -72,7 +72,6 @@ from flash_msa.ops.gluon.forward import (
     _mask_rows,
     _mask_scores,
     _masks,
-    _packed_descriptor,
     _partial,
     _query_word,
     _rows_contiguous,
@@ -81,6 +80,7 @@ from flash_msa.ops.gluon.forward import (
     _visible_keys,
     copy_half,
     document_bounds,
+    half_descriptor,
     half_layout,
     kernel_masks,
     mma_layout,
@@ -449,9 +449,8 @@ def _backward_kernel(
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if GRAD_Q:
         # A consumer's dQ tile [64, D / 2] fp32 on its way out (32 KB for both at D = 128).
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM // 2],
-                                                                       gl.float32)  # fmt: skip
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM // 2], dq_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM // 2],
+                                            half_layout(HEAD_DIM // 2, gl.float32))  # fmt: skip
         for i in gl.static_range(3):
             mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
@@ -615,17 +614,11 @@ def attention_backward(
         (lse, lse) if document_ids is None else document_bounds(document_ids)
     )  # lse stands in (never read) without documents
     grid = (transposed.row_offsets.shape[1] - 1, heads_kv, batch)
-    if pack == 1:
-        q_desc, do_desc = _descriptor(q, QUERY_ROWS), _descriptor(grad_out, QUERY_ROWS)
-    else:
-        q_desc, do_desc = _packed_descriptor(q, pack), _packed_descriptor(grad_out, pack)
     _backward_kernel[grid](
-        q_desc=q_desc, do_desc=do_desc,
+        q_desc=half_descriptor(q, pack), do_desc=half_descriptor(grad_out, pack),
         k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
         dk_desc=_descriptor(grad_k, HALF_N), dv_desc=_descriptor(grad_v, HALF_N),
-        dq_desc=(_descriptor(accumulated, QUERY_ROWS, head_dim // 2) if pack == 1
-                 else _packed_descriptor(accumulated, pack, head_dim // 2)),
-        lse=lse, delta=delta,
+        dq_desc=half_descriptor(accumulated, pack, head_dim // 2), lse=lse, delta=delta,
         grad_k=grad_k, grad_v=grad_v,
         t_row_offsets=transposed.row_offsets, t_col_indices=transposed.col_indices,
         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, heads_q=heads_q, group=heads_q // heads_kv,

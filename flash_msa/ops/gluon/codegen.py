@@ -112,7 +112,7 @@ def compile_forward(
     from flash_msa.ops.gluon import forward
 
     masks = forward.Masks() if masks is None else masks
-    half = (forward.HALF_M, head_dim) if pack == 1 else (1, forward.HALF_M // pack, pack, head_dim)
+    half = forward.half_block(pack, head_dim)
     types = dict(
         q_desc=descriptor_type(dtype, *half), o_desc=descriptor_type(dtype, *half),
         k_desc=descriptor_type(dtype, forward.BLOCK_N, head_dim),
@@ -144,11 +144,10 @@ def compile_backward(
     rows = dict(k_desc=backward.BLOCK_N, v_desc=backward.BLOCK_N, dk_desc=backward.HALF_N,
                 dv_desc=backward.HALF_N)  # fmt: skip
     types = {name: descriptor_type(dtype, count, head_dim) for name, count in rows.items()}
-    half = ((backward.QUERY_ROWS, head_dim) if pack == 1
-            else (1, backward.QUERY_ROWS // pack, pack, head_dim))  # fmt: skip
+    half = forward.half_block(pack, head_dim)
     types.update(
         q_desc=descriptor_type(dtype, *half), do_desc=descriptor_type(dtype, *half),
-        dq_desc=descriptor_type("fp32", *half[:-1], head_dim // 2), lse="*fp32",
+        dq_desc=descriptor_type("fp32", *forward.half_block(pack, head_dim // 2)), lse="*fp32",
         delta="*fp32", grad_k=f"*{dtype}", grad_v=f"*{dtype}",
         t_row_offsets="*i32", t_col_indices="*i32", qk_scale="fp32", softmax_scale="fp32",
         document_first="*i32", document_last="*i32", counters="*i32", turns="*i32",
@@ -172,7 +171,7 @@ def compile_grad_q(
     from flash_msa.ops.gluon import dq, forward
 
     masks = forward.Masks() if masks is None else masks
-    half = (forward.HALF_M, head_dim) if pack == 1 else (1, forward.HALF_M // pack, pack, head_dim)
+    half = forward.half_block(pack, head_dim)
     types = dict(
         q_desc=descriptor_type(dtype, *half), do_desc=descriptor_type(dtype, *half),
         dq_desc=descriptor_type(dtype, *half),

@@ -36,7 +36,6 @@ from flash_msa.ops.gluon.forward import (
     BLOCK_N,
     CONSUMER_REGISTERS,
     CONSUMER_WARPS,
-    HALF_M,
     HALF_ROWS,
     LOWER,
     MAX_REGISTERS,
@@ -47,13 +46,13 @@ from flash_msa.ops.gluon.forward import (
     _mask_rows,
     _mask_scores,
     _masks,
-    _packed_descriptor,
     _partial,
     _query_word,
     _tile,
     _visible_keys,
     copy_half,
     document_bounds,
+    half_descriptor,
     half_layout,
     kernel_masks,
     load_blocks,
@@ -313,11 +312,7 @@ def grad_q(
     document_first, document_last = (
         (lse, lse) if document_ids is None else document_bounds(document_ids)
     )  # lse stands in (never read) without documents
-    if pack == 1:
-        descriptors = [_descriptor(t, HALF_M) for t in (q, grad_out, dq)]
-    else:
-        descriptors = [_packed_descriptor(t, pack) for t in (q, grad_out, dq)]
-    q_desc, do_desc, dq_desc = descriptors
+    q_desc, do_desc, dq_desc = (half_descriptor(t, pack) for t in (q, grad_out, dq))
     tiles = -(-seq_len_q // layout.q_block) * (heads_q // pack) * batch
     dq_kernel[(tiles,)](
         q_desc=q_desc, do_desc=do_desc, k_desc=_descriptor(k, BLOCK_N),

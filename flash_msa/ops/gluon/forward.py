@@ -814,13 +814,22 @@ def _descriptor(tensor: torch.Tensor, rows: int, columns: int | None = None) -> 
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
-def _packed_descriptor(
+def half_block(pack: int, columns: int) -> list[int]:
+    """The TMA block of a query half of `columns` columns: [64, columns] of the 2-D view for
+    pack 1, else [1, 64 / pack positions, pack heads, columns] of the 4-D one."""
+    return [HALF_M, columns] if pack == 1 else [1, HALF_M // pack, pack, columns]
+
+
+def half_descriptor(
     tensor: torch.Tensor, pack: int, columns: int | None = None
 ) -> TensorDescriptor:
-    """The 4-D TMA view of a [B, S, H, D] tensor with contiguous rows in boxes [1, 64 / pack
-    positions, pack heads, columns (D unless given)]: a query half of pack heads a position
-    (TMA fills positions from S on with zeros and drops them from stores)."""
-    block = [1, HALF_M // pack, pack, columns or tensor.shape[3]]
+    """The TMA view of a [B, S, H, D] tensor with contiguous rows in query halves of pack
+    heads a position (half_block; columns: D unless given): pack 1, the 2-D [B * S, H * D]
+    view (_descriptor); else the 4-D tensor, where TMA fills positions from S on with zeros
+    and drops them from stores."""
+    if pack == 1:
+        return _descriptor(tensor, HALF_M, columns)
+    block = half_block(pack, columns or tensor.shape[3])
     layout = gl.NVMMASharedLayout.get_default_for(block, VIEW_DTYPES[tensor.dtype])
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
 
@@ -1092,10 +1101,7 @@ def attention_forward(
     # read, for a program per tile).
     next_tile = row_order if programs is None else torch.zeros(1, dtype=torch.int32,
                                                                device=q.device)  # fmt: skip
-    if pack == 1:
-        q_desc, o_desc = _descriptor(q, HALF_M), _descriptor(out, HALF_M)
-    else:
-        q_desc, o_desc = _packed_descriptor(q, pack), _packed_descriptor(out, pack)
+    q_desc, o_desc = half_descriptor(q, pack), half_descriptor(out, pack)
     _forward_kernel[grid](
         q_desc=q_desc, k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
         o_desc=o_desc, lse=lse, row_order=row_order, next_tile=next_tile,
