@@ -98,16 +98,49 @@ LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
 
 
 @gluon.jit
-def _column(walk, member, PACK: gl.constexpr = 1):
-    """The first query head of the program's GQA group's member-th PACK heads, and
-    [start, end) of the transposed layout's entries (query blocks) of the program's kv block
-    for those heads (PACK heads share a layout row)."""
+def _column(walk, member, ROTATE: gl.constexpr, PACK: gl.constexpr):
+    """The first query head of the program's GQA group's member-th PACK heads; [start, end)
+    of the transposed layout's entries (query blocks) of the program's kv block for those
+    heads (PACK heads share a layout row); and with ROTATE the entry the walk starts at,
+    start + shift (see _step), else shift 0.
+
+    The rotation aligns neighbouring programs' walks for the L2: a column of query blocks
+    first .. last (span last - first + 1) starts at its first block at or after the multiple
+    of L (the largest power of two <= span) at or after first, walks to its end and wraps
+    around. Programs whose columns have like spans and overlap start at the same block, so
+    they read each query tile at about the same time, once from memory, where walks from
+    each column's own first block reach a tile one kv block's worth of steps apart: 132
+    programs then need their 128 latest positions of every head they read (the 16-head
+    groups of MSA's 8 x 16 tiles: 67 MB) cached to read a tile once."""
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     head = kv_head * group + member * PACK
     layout_row = batch * layout_batch_stride + head // layout_head_divisor
     row = t_row_offsets + layout_row * stride_layout
-    return head, gl.load(row + kv_block), gl.load(row + kv_block + 1)
+    start = gl.load(row + kv_block)
+    end = gl.load(row + kv_block + 1)
+    shift = 0
+    if ROTATE:
+        if end > start:
+            first = gl.load(t_col_indices + start)
+            span = gl.load(t_col_indices + end - 1) - first + 1
+            aligned = 1
+            while aligned * 2 <= span:
+                aligned *= 2
+            # The entry of block first + offset where the column has no gaps, else near it.
+            offset = (first + aligned - 1) // aligned * aligned - first
+            shift = offset * (end - start) // span
+    return head, start, end, shift
+
+
+@gluon.jit
+def _step(index, start, end, shift):
+    """Step `index` (2 * start .. 2 * end - 1) of a walk over the column's entries from
+    start + shift, wrapping around: the half_block (2 * entry + half) it reads."""
+    half_block = index + 2 * shift
+    if half_block >= 2 * end:
+        half_block -= 2 * (end - start)
+    return half_block
 
 
 @gluon.jit
@@ -118,9 +151,10 @@ def _query_first(t_col_indices, half_block, TOKENS: gl.constexpr):
 
 
 @gluon.jit
-def _producer(loads, PACK: gl.constexpr):
+def _producer(loads, MODE: gl.constexpr, PACK: gl.constexpr):
     """One warp: K and V once, then both halves of Q and dO of each query block of the
-    column, PACK heads after PACK heads of the group, into the ring."""
+    column, PACK heads after PACK heads of the group, into the ring (the column rotated as
+    _column says, but with MODE.ordered)."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
      q_empty, do_ready, do_empty, walk) = loads  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
@@ -138,9 +172,10 @@ def _producer(loads, PACK: gl.constexpr):
                                     v_smem)  # fmt: skip
     step = 0
     for member in range(group // PACK):
-        head, start, end = _column(walk, member, PACK)
+        head, start, end, shift = _column(walk, member, not MODE.ordered, PACK)
         # Two steps per entry: its query block's halves of ROWS rows (ROWS / PACK positions).
-        for half_block in range(2 * start, 2 * end):
+        for index in range(2 * start, 2 * end):
+            half_block = _step(index, start, end, shift)
             query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
@@ -218,8 +253,9 @@ def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
         HALF_D: gl.constexpr = dq_smem.type.shape[2]
         step = 0
         for member in range(group // PACK):
-            head, start, end = _column(walk, member, PACK)
-            for half_block in range(2 * start, 2 * end):
+            head, start, end, shift = _column(walk, member, not MODE.ordered, PACK)
+            for index in range(2 * start, 2 * end):
+                half_block = _step(index, start, end, shift)
                 query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
                 if MODE.ordered:
                     counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
@@ -288,9 +324,10 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     step = 0
     for member in range(group // PACK):
-        head, start, end = _column(walk, member, PACK)
+        head, start, end, shift = _column(walk, member, not MODE.ordered, PACK)
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
-        for half_block in range(2 * start, 2 * end):
+        for index in range(2 * start, 2 * end):
+            half_block = _step(index, start, end, shift)
             query_first = _query_first(t_col_indices, half_block, TOKENS)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
@@ -484,7 +521,7 @@ def _backward_kernel(
              q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (shared, UPPER, MODE, MASKS, PACK)),
-         (_consumer, (shared, LOWER, MODE, MASKS, PACK)), (_producer, (loads, PACK)),
+         (_consumer, (shared, LOWER, MODE, MASKS, PACK)), (_producer, (loads, MODE, PACK)),
          (_dq_writer, (writes, MODE, PACK))],
         [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
