@@ -94,24 +94,25 @@ BLOCK_N = 128  # keys of one program (one layout block)
 HALF_N = 64  # keys of one consumer warpgroup
 QUERY_ROWS = 64  # query rows of one step (half a layout block)
 QUERY_ROWS_CONSTEXPR: gl.constexpr = gl.constexpr(QUERY_ROWS)
+BLOCK_N_CONSTEXPR: gl.constexpr = gl.constexpr(BLOCK_N)
 LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
 
 
 @gluon.jit
-def _column(walk, member, ROTATE: gl.constexpr, PACK: gl.constexpr):
+def _column(walk, member, MODE: gl.constexpr, PACK: gl.constexpr):
     """The first query head of the program's GQA group's member-th PACK heads; [start, end)
     of the transposed layout's entries (query blocks) of the program's kv block for those
-    heads (PACK heads share a layout row); and with ROTATE the entry the walk starts at,
-    start + shift (see _step), else shift 0.
+    heads (PACK heads share a layout row); and the entry the walk starts at, start + shift
+    (see _step; MODE.align 0: shift 0).
 
-    The rotation aligns neighbouring programs' walks for the L2: a column of query blocks
-    first .. last (span last - first + 1) starts at its first block at or after the multiple
-    of L (the largest power of two <= span) at or after first, walks to its end and wraps
-    around. Programs whose columns have like spans and overlap start at the same block, so
-    they read each query tile at about the same time, once from memory, where walks from
-    each column's own first block reach a tile one kv block's worth of steps apart: 132
-    programs then need their 128 latest positions of every head they read (the 16-head
-    groups of MSA's 8 x 16 tiles: 67 MB) cached to read a tile once."""
+    The rotation aligns neighbouring programs' walks for the L2: a column starts at its
+    first query block at or after the first multiple of MODE.align positions at or after
+    its kv block (a binary search of its entries), walks to its end and wraps around. The
+    programs of the align / 128 kv blocks that share that multiple read each query tile at
+    about the same time, once from memory, where walks from each column's first block
+    reach a tile one kv block's worth of steps apart: 132 programs then need their 128
+    latest positions of every head they read (MSA's 8 x 16 tiles, 16 heads of 512 bytes:
+    67 MB) cached to read a tile once."""
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     head = kv_head * group + member * PACK
@@ -120,16 +121,21 @@ def _column(walk, member, ROTATE: gl.constexpr, PACK: gl.constexpr):
     start = gl.load(row + kv_block)
     end = gl.load(row + kv_block + 1)
     shift = 0
-    if ROTATE:
-        if end > start:
-            first = gl.load(t_col_indices + start)
-            span = gl.load(t_col_indices + end - 1) - first + 1
-            aligned = 1
-            while aligned * 2 <= span:
-                aligned *= 2
-            # The entry of block first + offset where the column has no gaps, else near it.
-            offset = (first + aligned - 1) // aligned * aligned - first
-            shift = offset * (end - start) // span
+    if MODE.align > 0:
+        ALIGN: gl.constexpr = MODE.align
+        # In query blocks of QUERY_ROWS * 2 / PACK positions (ALIGN: a multiple of 128).
+        first_key = kv_block * BLOCK_N_CONSTEXPR
+        boundary = (first_key + ALIGN - 1) // ALIGN * ALIGN // (2 * QUERY_ROWS_CONSTEXPR // PACK)
+        low = start
+        high = end
+        while low < high:
+            middle = (low + high) // 2
+            if gl.load(t_col_indices + middle) < boundary:
+                low = middle + 1
+            else:
+                high = middle
+        if low < end:
+            shift = low - start
     return head, start, end, shift
 
 
@@ -172,7 +178,7 @@ def _producer(loads, MODE: gl.constexpr, PACK: gl.constexpr):
                                     v_smem)  # fmt: skip
     step = 0
     for member in range(group // PACK):
-        head, start, end, shift = _column(walk, member, not MODE.ordered, PACK)
+        head, start, end, shift = _column(walk, member, MODE, PACK)
         # Two steps per entry: its query block's halves of ROWS rows (ROWS / PACK positions).
         for index in range(2 * start, 2 * end):
             half_block = _step(index, start, end, shift)
@@ -214,14 +220,15 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     )
 
 
-class GradQMode(NamedTuple):
+class Mode(NamedTuple):
     fused: bool  # dQ in the kernel, beside dK and dV
     ordered: bool  # its adds in kv order (bitwise reproducible)
+    align: int  # positions the columns' walks align their starts to (0: none; _column)
 
 
 @gluon.constexpr_function
-def _grad_q_mode(fused, ordered):
-    return GradQMode(fused, ordered)
+def _mode(fused, ordered, align):
+    return Mode(fused, ordered, align)
 
 
 @gluon.jit
@@ -253,7 +260,7 @@ def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
         HALF_D: gl.constexpr = dq_smem.type.shape[2]
         step = 0
         for member in range(group // PACK):
-            head, start, end, shift = _column(walk, member, not MODE.ordered, PACK)
+            head, start, end, shift = _column(walk, member, MODE, PACK)
             for index in range(2 * start, 2 * end):
                 half_block = _step(index, start, end, shift)
                 query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
@@ -324,7 +331,7 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)  # [KEYS, D]
     step = 0
     for member in range(group // PACK):
-        head, start, end, shift = _column(walk, member, not MODE.ordered, PACK)
+        head, start, end, shift = _column(walk, member, MODE, PACK)
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
         for index in range(2 * start, 2 * end):
             half_block = _step(index, start, end, shift)
@@ -441,6 +448,7 @@ def _backward_kernel(
     GRAD_Q: gl.constexpr, ORDERED: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr, HAS_DOCUMENTS: gl.constexpr, KV_TAIL: gl.constexpr,
     Q_TAIL: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, PACK: gl.constexpr,
+    ALIGN: gl.constexpr,
 ):  # fmt: skip
     """Grid (ceil(S_kv / 128), H_kv, B), kv blocks fastest (under a causal layout the first
     ones are the heaviest; with MODE.ordered the last first). q_desc / do_desc: PACK 1,
@@ -455,9 +463,10 @@ def _backward_kernel(
     the query halves of a head, 2 * ceil(S_q / 128)) and turns: i32 [nnz], each entry of
     the transposed layout's turn in its query block's row (entry_turns, _dq_writer). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
-    Masks as in the forward kernel; HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
-    the transposed layout's entries) has bit t of an entry set when position t of its query
-    block reads its kv block."""
+    ALIGN: the positions the walks' rotation aligns to (walk_alignment, _column; 0, as
+    ORDERED needs: none). Masks as in the forward kernel; HAS_QUERY_MASKS: query_masks
+    (int64 [nnz], aligned with the transposed layout's entries) has bit t of an entry set
+    when position t of its query block reads its kv block."""
     ROWS: gl.constexpr = QUERY_ROWS_CONSTEXPR
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
@@ -465,7 +474,7 @@ def _backward_kernel(
     MASKS: gl.constexpr = _masks(HAS_LEFT, HAS_RIGHT, HAS_DOCUMENTS, KV_TAIL, Q_TAIL,
                                  HAS_QUERY_MASKS)  # fmt: skip
     # A NamedTuple, not bools: those reach warp_specialize's partitions as run-time values.
-    MODE: gl.constexpr = _grad_q_mode(GRAD_Q, ORDERED)
+    MODE: gl.constexpr = _mode(GRAD_Q, ORDERED, ALIGN)
     kv_block = gl.program_id(0)
     if MODE.ordered:  # highest first: see _dq_writer
         kv_block = gl.num_programs(0) - 1 - kv_block
@@ -526,6 +535,18 @@ def _backward_kernel(
         [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
+
+
+MAX_ALIGN = 8192  # positions; a compiled variant per power of two from BLOCK_N
+
+
+def walk_alignment(transposed) -> int:
+    """The positions a column's walk aligns its start to (_column): the largest power of two
+    within the mean column's span (mean entries x q_block positions), from BLOCK_N to
+    MAX_ALIGN. Read from the tensors' sizes: no device work."""
+    rows, columns = transposed.row_offsets.shape[0], transposed.row_offsets.shape[1] - 1
+    span = transposed.col_indices.numel() * transposed.kv_block // max(rows * columns, 1)
+    return min(MAX_ALIGN, max(BLOCK_N, 1 << (max(span, 1).bit_length() - 1)))
 
 
 @triton.jit
@@ -670,7 +691,8 @@ def attention_backward(
         counters=counters, halves=halves, turns=turns,
         # lse stands in (never read) without query masks
         query_masks=lse if query_masks is None else query_masks.csc, NUM_STAGES=num_stages,
-        GRAD_Q=fused, ORDERED=grad_q == "ordered", **masks.constexprs(),
+        GRAD_Q=fused, ORDERED=grad_q == "ordered",
+        ALIGN=0 if grad_q == "ordered" else walk_alignment(transposed), **masks.constexprs(),
         HAS_QUERY_MASKS=query_masks is not None, PACK=pack, num_warps=4,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip

@@ -133,11 +133,12 @@ def compile_forward(
 
 def compile_backward(
     workdir: str, *, head_dim: int = 128, dtype: str = "bf16", num_stages: int = 2,
-    grad_q: str = "atomic", masks=None, pack: int = 1,
+    grad_q: str = "atomic", masks=None, pack: int = 1, align: int = 2048,
 ) -> dict:  # fmt: skip
     """Compile backward._backward_kernel for sm_90a (grad_q: its mode, as in
     backward.attention_backward; masks.query: per-token query masks; query blocks of
-    128 / pack positions x pack query heads) and report as compile_forward does."""
+    128 / pack positions x pack query heads; align: the walks' alignment, none in the
+    "ordered" mode) and report as compile_forward does."""
     from flash_msa.ops.gluon import backward, forward
 
     masks = forward.Masks() if masks is None else masks
@@ -154,7 +155,8 @@ def compile_backward(
         query_masks="*i64",
     )  # fmt: skip
     constexprs = dict(NUM_STAGES=num_stages, GRAD_Q=grad_q != "triton",
-                      ORDERED=grad_q == "ordered", **masks.constexprs(),
+                      ORDERED=grad_q == "ordered", ALIGN=0 if grad_q == "ordered" else align,
+                      **masks.constexprs(),
                       HAS_QUERY_MASKS=masks.query, PACK=pack)  # fmt: skip
     packed = f"_pack{pack}" if pack > 1 else ""
     name = (f"backward_d{head_dim}_{dtype}_s{num_stages}_{grad_q}{packed}"
