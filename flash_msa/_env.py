@@ -71,6 +71,22 @@ def shared_memory(device: torch.device) -> int:
     return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
+HOPPER_L2 = (132, 50 * 2**20)  # an H100's / H200's multiprocessors and L2 bytes
+
+
+@functools.cache
+def _l2(index: int) -> tuple[int, int]:
+    properties = torch.cuda.get_device_properties(index)
+    return properties.multi_processor_count, properties.L2_cache_size
+
+
+def multiprocessors_and_l2(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's multiprocessor count and L2 bytes (an H100's on any other device)."""
+    if device.type != "cuda":
+        return HOPPER_L2
+    return _l2(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def can_run_triton(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())

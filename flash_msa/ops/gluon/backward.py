@@ -540,10 +540,18 @@ def _backward_kernel(
 MAX_ALIGN = 8192  # positions; a compiled variant per power of two from BLOCK_N
 
 
-def walk_alignment(transposed) -> int:
-    """The positions a column's walk aligns its start to (_column): the largest power of two
-    within the mean column's span (mean entries x q_block positions), from BLOCK_N to
-    MAX_ALIGN. Read from the tensors' sizes: no device work."""
+def walk_alignment(transposed, pack: int, head_dim: int, dtype: torch.dtype, device) -> int:
+    """The positions a column's walk aligns its start to (_column), or 0 (the walk from the
+    column's first entry) where that walk's working set fits half the L2: one query tile
+    of Q and dO per program for each kv block's worth of positions its neighbours lag
+    (multiprocessors x 128 positions x pack heads x 2 x D elements; H100, D 128: 8 x 16
+    tiles 69 MB, 64 x 2 tiles 17 MB). Else the largest power of two within the mean
+    column's span (mean entries x q_block positions), from BLOCK_N to MAX_ALIGN. Read from
+    the tensors' sizes: no device work."""
+    multiprocessors, l2_bytes = _env.multiprocessors_and_l2(device)
+    working_set = multiprocessors * BLOCK_N * pack * 2 * head_dim * dtype.itemsize
+    if 2 * working_set <= l2_bytes:
+        return 0
     rows, columns = transposed.row_offsets.shape[0], transposed.row_offsets.shape[1] - 1
     span = transposed.col_indices.numel() * transposed.kv_block // max(rows * columns, 1)
     return min(MAX_ALIGN, max(BLOCK_N, 1 << (max(span, 1).bit_length() - 1)))
@@ -692,7 +700,9 @@ def attention_backward(
         # lse stands in (never read) without query masks
         query_masks=lse if query_masks is None else query_masks.csc, NUM_STAGES=num_stages,
         GRAD_Q=fused, ORDERED=grad_q == "ordered",
-        ALIGN=0 if grad_q == "ordered" else walk_alignment(transposed), **masks.constexprs(),
+        ALIGN=0 if grad_q == "ordered" else walk_alignment(transposed, pack, head_dim, q.dtype,
+                                                          q.device),
+        **masks.constexprs(),
         HAS_QUERY_MASKS=query_masks is not None, PACK=pack, num_warps=4,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip

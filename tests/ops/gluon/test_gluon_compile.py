@@ -227,6 +227,25 @@ def test_shared_memory_need_bounds_the_compiled_kernel(reports):
         assert report["shared"] <= need <= report["shared"] + 4096, (label(report), need)
 
 
+@pytest.mark.parametrize("q_block, head_dim, expected", [
+    (16, 128, 2048),  # 8 x 16 tiles: 69 MB of Q and dO in flight, aligned to the span
+    (32, 128, 2048),  # 4 x 32 tiles: 35 MB
+    (32, 64, 0),  # 17 MB, as 64 x 2 tiles at D 128: the plain walk
+    (64, 128, 0),
+])  # fmt: skip
+def test_backward_aligns_walks_whose_working_set_overflows_the_l2(q_block, head_dim, expected):
+    from flash_msa.ops.gluon import backward
+
+    cpu = torch.device("cpu")  # an H100's multiprocessors and L2
+    window = patterns.sliding_window(32768, 2048, q_block=q_block).transpose()
+    pack = 128 // q_block
+    assert backward.walk_alignment(window, pack, head_dim, torch.bfloat16, cpu) == expected
+    causal = patterns.causal(32768, q_block=q_block).transpose()
+    assert backward.walk_alignment(causal, pack, head_dim, torch.bfloat16, cpu) == (
+        expected and backward.MAX_ALIGN
+    )
+
+
 def test_backward_of_packed_tiles_refuses_the_ordered_mode():
     """The ordered mode counts its adds per query half of one head: over query blocks of
     packed heads the backward refuses it before any launch, naming the modes left."""
