@@ -86,6 +86,7 @@ from flash_msa.ops.gluon.forward import (
     mma_layout,
     slot_barriers,
 )
+from flash_msa.ops.gluon.walk import aligned_shift, walk_alignment, wrapped
 from flash_msa.ops.registry import QueryMasks
 from flash_msa.ops.triton.backward import grad_q_and_delta
 from flash_msa.ops.triton.common import layout_arguments
@@ -94,7 +95,6 @@ BLOCK_N = 128  # keys of one program (one layout block)
 HALF_N = 64  # keys of one consumer warpgroup
 QUERY_ROWS = 64  # query rows of one step (half a layout block)
 QUERY_ROWS_CONSTEXPR: gl.constexpr = gl.constexpr(QUERY_ROWS)
-BLOCK_N_CONSTEXPR: gl.constexpr = gl.constexpr(BLOCK_N)
 LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
 
 
@@ -102,17 +102,8 @@ LOG2_E: gl.constexpr = gl.constexpr(_env.LOG2_E)
 def _column(walk, member, MODE: gl.constexpr, PACK: gl.constexpr):
     """The first query head of the program's GQA group's member-th PACK heads; [start, end)
     of the transposed layout's entries (query blocks) of the program's kv block for those
-    heads (PACK heads share a layout row); and the entry the walk starts at, start + shift
-    (see _step; MODE.align 0: shift 0).
-
-    The rotation aligns neighbouring programs' walks for the L2: a column starts at its
-    first query block at or after the first multiple of MODE.align positions at or after
-    its kv block (a binary search of its entries), walks to its end and wraps around. The
-    programs of the align / 128 kv blocks that share that multiple read each query tile at
-    about the same time, once from memory, where walks from each column's first block
-    reach a tile one kv block's worth of steps apart: 132 programs then need their 128
-    latest positions of every head they read (MSA's 8 x 16 tiles, 16 heads of 512 bytes:
-    67 MB) cached to read a tile once."""
+    heads (PACK heads share a layout row); and the entries the walk skips before its first
+    (walk.aligned_shift over MODE.align; walk.wrapped turns a step into its half block)."""
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     head = kv_head * group + member * PACK
@@ -120,33 +111,9 @@ def _column(walk, member, MODE: gl.constexpr, PACK: gl.constexpr):
     row = t_row_offsets + layout_row * stride_layout
     start = gl.load(row + kv_block)
     end = gl.load(row + kv_block + 1)
-    shift = 0
-    if MODE.align > 0:
-        ALIGN: gl.constexpr = MODE.align
-        # In query blocks of QUERY_ROWS * 2 / PACK positions (ALIGN: a multiple of 128).
-        first_key = kv_block * BLOCK_N_CONSTEXPR
-        boundary = (first_key + ALIGN - 1) // ALIGN * ALIGN // (2 * QUERY_ROWS_CONSTEXPR // PACK)
-        low = start
-        high = end
-        while low < high:
-            middle = (low + high) // 2
-            if gl.load(t_col_indices + middle) < boundary:
-                low = middle + 1
-            else:
-                high = middle
-        if low < end:
-            shift = low - start
+    shift = aligned_shift(t_col_indices, start, end, kv_block, MODE.align,
+                          2 * QUERY_ROWS_CONSTEXPR // PACK)  # fmt: skip
     return head, start, end, shift
-
-
-@gluon.jit
-def _step(index, start, end, shift):
-    """Step `index` (2 * start .. 2 * end - 1) of a walk over the column's entries from
-    start + shift, wrapping around: the half_block (2 * entry + half) it reads."""
-    half_block = index + 2 * shift
-    if half_block >= 2 * end:
-        half_block -= 2 * (end - start)
-    return half_block
 
 
 @gluon.jit
@@ -181,7 +148,7 @@ def _producer(loads, MODE: gl.constexpr, PACK: gl.constexpr):
         head, start, end, shift = _column(walk, member, MODE, PACK)
         # Two steps per entry: its query block's halves of ROWS rows (ROWS / PACK positions).
         for index in range(2 * start, 2 * end):
-            half_block = _step(index, start, end, shift)
+            half_block = wrapped(index, 2 * end, 2 * (end - start), 2 * shift)
             query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
@@ -262,7 +229,7 @@ def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
         for member in range(group // PACK):
             head, start, end, shift = _column(walk, member, MODE, PACK)
             for index in range(2 * start, 2 * end):
-                half_block = _step(index, start, end, shift)
+                half_block = wrapped(index, 2 * end, 2 * (end - start), 2 * shift)
                 query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
                 if MODE.ordered:
                     counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
@@ -334,7 +301,7 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
         head, start, end, shift = _column(walk, member, MODE, PACK)
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
         for index in range(2 * start, 2 * end):
-            half_block = _step(index, start, end, shift)
+            half_block = wrapped(index, 2 * end, 2 * (end - start), 2 * shift)
             query_first = _query_first(t_col_indices, half_block, TOKENS)
             stage = step % NUM_STAGES
             phase = (step // NUM_STAGES) & 1
@@ -463,10 +430,10 @@ def _backward_kernel(
     the query halves of a head, 2 * ceil(S_q / 128)) and turns: i32 [nnz], each entry of
     the transposed layout's turn in its query block's row (entry_turns, _dq_writer). The
     transposed layout row of (b, h) is b * layout_batch_stride + h // layout_head_divisor.
-    ALIGN: the positions the walks' rotation aligns to (walk_alignment, _column; 0, as
-    ORDERED needs: none). Masks as in the forward kernel; HAS_QUERY_MASKS: query_masks
-    (int64 [nnz], aligned with the transposed layout's entries) has bit t of an entry set
-    when position t of its query block reads its kv block."""
+    ALIGN: the positions the columns' walks align to (walk.py; 0, as ORDERED needs: none).
+    Masks as in the forward kernel; HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
+    the transposed layout's entries) has bit t of an entry set when position t of its query
+    block reads its kv block."""
     ROWS: gl.constexpr = QUERY_ROWS_CONSTEXPR
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     KV_ROWS: gl.constexpr = k_desc.block_type.shape[0]
@@ -535,26 +502,6 @@ def _backward_kernel(
         [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
-
-
-MAX_ALIGN = 8192  # positions; a compiled variant per power of two from BLOCK_N
-
-
-def walk_alignment(transposed, pack: int, head_dim: int, dtype: torch.dtype, device) -> int:
-    """The positions a column's walk aligns its start to (_column), or 0 (the walk from the
-    column's first entry) where that walk's working set fits half the L2: one query tile
-    of Q and dO per program for each kv block's worth of positions its neighbours lag
-    (multiprocessors x 128 positions x pack heads x 2 x D elements; H100, D 128: 8 x 16
-    tiles 69 MB, 64 x 2 tiles 17 MB). Else the largest power of two within the mean
-    column's span (mean entries x q_block positions), from BLOCK_N to MAX_ALIGN. Read from
-    the tensors' sizes: no device work."""
-    multiprocessors, l2_bytes = _env.multiprocessors_and_l2(device)
-    working_set = multiprocessors * BLOCK_N * pack * 2 * head_dim * dtype.itemsize
-    if 2 * working_set <= l2_bytes:
-        return 0
-    rows, columns = transposed.row_offsets.shape[0], transposed.row_offsets.shape[1] - 1
-    span = transposed.col_indices.numel() * transposed.kv_block // max(rows * columns, 1)
-    return min(MAX_ALIGN, max(BLOCK_N, 1 << (max(span, 1).bit_length() - 1)))
 
 
 @triton.jit
@@ -700,8 +647,10 @@ def attention_backward(
         # lse stands in (never read) without query masks
         query_masks=lse if query_masks is None else query_masks.csc, NUM_STAGES=num_stages,
         GRAD_Q=fused, ORDERED=grad_q == "ordered",
-        ALIGN=0 if grad_q == "ordered" else walk_alignment(transposed, pack, head_dim, q.dtype,
-                                                          q.device),
+        # Q and dO of PACK heads a position; the ordered mode's turns need the plain walk.
+        ALIGN=0 if grad_q == "ordered" else walk_alignment(
+            transposed, pack * 2 * head_dim * q.dtype.itemsize, q.device
+        ),
         **masks.constexprs(),
         HAS_QUERY_MASKS=query_masks is not None, PACK=pack, num_warps=4,
         maxnreg=MAX_REGISTERS,

@@ -234,16 +234,14 @@ def test_shared_memory_need_bounds_the_compiled_kernel(reports):
     (64, 128, 0),
 ])  # fmt: skip
 def test_backward_aligns_walks_whose_working_set_overflows_the_l2(q_block, head_dim, expected):
-    from flash_msa.ops.gluon import backward
+    from flash_msa.ops.gluon import walk
 
     cpu = torch.device("cpu")  # an H100's multiprocessors and L2
+    position_bytes = 128 // q_block * 2 * head_dim * 2  # Q and dO of the packed heads, bf16
     window = patterns.sliding_window(32768, 2048, q_block=q_block).transpose()
-    pack = 128 // q_block
-    assert backward.walk_alignment(window, pack, head_dim, torch.bfloat16, cpu) == expected
+    assert walk.walk_alignment(window, position_bytes, cpu) == expected
     causal = patterns.causal(32768, q_block=q_block).transpose()
-    assert backward.walk_alignment(causal, pack, head_dim, torch.bfloat16, cpu) == (
-        expected and backward.MAX_ALIGN
-    )
+    assert walk.walk_alignment(causal, position_bytes, cpu) == (expected and walk.MAX_ALIGN)
 
 
 def test_backward_of_packed_tiles_refuses_the_ordered_mode():
