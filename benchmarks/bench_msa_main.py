@@ -46,7 +46,7 @@ from flash_msa.ops.gluon import backward as gluon_backward
 from flash_msa.ops.registry import QueryMasks
 
 BACKENDS = ("triton", "gluon")
-DQ_MODES = ("triton", "gluon")  # the gluon backward's deterministic grad_q modes
+DQ_MODES = ("triton", "gluon", "atomic")  # the gluon backward's grad_q modes timed
 
 
 def dq_modes(q, k, v, dout, out, lse, layout, query_masks) -> dict:
@@ -71,6 +71,7 @@ def dq_modes(q, k, v, dout, out, lse, layout, query_masks) -> dict:
         times = {mode: timed(lambda mode=mode: run(mode))["ms"] for mode in DQ_MODES}
     return dict(backward_ms=round(times["triton"], 4),
                 backward_gluon_dq_ms=round(times["gluon"], 4),
+                backward_atomic_ms=round(times["atomic"], 4),
                 gluon_dq_difference=difference)  # fmt: skip
 
 
@@ -143,7 +144,8 @@ def run_variant(seq_len: int, inputs: dict, granularity: str, q_block: int,
         backward = ""
         if "backward_ms" in record:
             backward = (f"; backward {record['backward_ms']:.3f} ms, with the Gluon dQ "
-                        f"{record['backward_gluon_dq_ms']:.3f} ms; fwd+bwd deterministic=False "
+                        f"{record['backward_gluon_dq_ms']:.3f} ms, atomic "
+                        f"{record['backward_atomic_ms']:.3f} ms; fwd+bwd deterministic=False "
                         f"{record['fwd_bwd_nondeterministic_ms']:.3f} ms")  # fmt: skip
         print(f"S={seq_len:>8,} {granularity:5s} q{q_block:<3d} {backend:6s} forward "
               f"{forward_ms:8.3f} ms ({record['forward_tflops']} TF/s), fwd+bwd "
@@ -159,7 +161,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
               if r["backend"] == "triton"}  # fmt: skip
     columns = ["S", "granularity", "q_block", "backend", "forward ms (TF/s)",
                "fwd+bwd ms (TF/s)", "forward speed-up vs triton", "fwd+bwd speed-up vs triton",
-               "out / lse difference vs triton", "backward ms: Triton dQ / Gluon dQ",
+               "out / lse difference vs triton",
+               "backward ms: Triton dQ / Gluon dQ / atomic",
                "Gluon dQ's gradient difference",
                "fwd+bwd deterministic=False ms (TF/s)"]  # fmt: skip
     rows = []
@@ -173,7 +176,8 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
             difference = f"{record['out_difference']:.1e} / {record['lse_difference']:.1e}"
         modes = ["-", "-", "-"]
         if "backward_ms" in record:
-            modes = [f"{record['backward_ms']:.3f} / {record['backward_gluon_dq_ms']:.3f}",
+            modes = [f"{record['backward_ms']:.3f} / {record['backward_gluon_dq_ms']:.3f} / "
+                     f"{record['backward_atomic_ms']:.3f}",
                      f"{record['gluon_dq_difference']:.1e}", "-"]  # fmt: skip
         if "fwd_bwd_nondeterministic_ms" in record:
             modes[2] = (f"{record['fwd_bwd_nondeterministic_ms']:.3f} "
@@ -191,8 +195,9 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         "local proxies. Granularity token: q_block tokens x 16 heads a tile over the union of "
         "the tokens' blocks, a bit per token; block: one choice per 64-query block (64 x 2 "
         "heads a gluon tile). The gluon backward takes dQ from the Triton dQ kernel; its last "
-        "columns but one time it alone per dQ mode (grad_q triton / gluon), the last the "
-        "forward + backward with deterministic=False (dQ added in the dK / dV kernel). Medians "
+        "columns but one time it alone per dQ mode (grad_q triton / gluon / atomic: dQ added "
+        "in the dK / dV kernel), the last the forward + backward with deterministic=False (the "
+        "registry's choice: the atomic mode from q_block 64, the Triton dQ kernel below). Medians "
         "of do_bench; TFLOP/s over the selected (query, key <= query) pairs.",
         body=markdown_table(columns, rows),
     )  # fmt: skip
