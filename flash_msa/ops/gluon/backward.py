@@ -126,8 +126,8 @@ def _query_first(t_col_indices, half_block, TOKENS: gl.constexpr):
 @gluon.jit
 def _producer(loads, MODE: gl.constexpr, PACK: gl.constexpr):
     """One warp: K and V once, then both halves of Q and dO of each query block of the
-    column, PACK heads after PACK heads of the group, into the ring (the column rotated as
-    _column says, but with MODE.ordered)."""
+    column, PACK heads after PACK heads of the group, into the ring, in the order of the
+    column's aligned walk (_column, walk.py)."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
      q_empty, do_ready, do_empty, walk) = loads  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,

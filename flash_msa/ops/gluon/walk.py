@@ -7,7 +7,7 @@ block's worth of positions (128) after its left neighbour. To read each query ti
 from memory, the L2 must hold what all running programs read in that lag: one program a
 multiprocessor x 128 positions x the bytes a walk reads per position. Where that working
 set exceeds half the L2 (the dK/dV kernel over MSA's 8 x 16 tiles at D 128: Q and dO of 16
-heads, 69 MB on an H100), every column starts its walk at its first entry at or after the
+heads, 138 MB on an H100), every column starts its walk at its first entry at or after the
 first multiple of ALIGN positions at or after its kv block, walks to its end and wraps
 around: the ALIGN / 128 neighbouring programs that share that multiple read each query tile
 at about the same time.

@@ -228,8 +228,9 @@ def test_shared_memory_need_bounds_the_compiled_kernel(reports):
 
 
 @pytest.mark.parametrize("q_block, head_dim, expected", [
-    (16, 128, 2048),  # 8 x 16 tiles: 69 MB of Q and dO in flight, aligned to the span
-    (32, 128, 2048),  # 4 x 32 tiles: 35 MB
+    (8, 128, 2048),  # 8 x 16 tiles: 138 MB of Q and dO in flight, aligned to the span
+    (16, 128, 2048),  # 16 x 8 tiles: 69 MB
+    (32, 128, 2048),  # 32 x 4 tiles: 35 MB
     (32, 64, 0),  # 17 MB, as 64 x 2 tiles at D 128: the plain walk
     (64, 128, 0),
 ])  # fmt: skip
