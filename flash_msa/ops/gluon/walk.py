@@ -1,6 +1,6 @@
 """Aligned column walks, for kernels whose programs each own a kv block of 128 keys and walk
-its column of the transposed layout (the query blocks that use it): the dK/dV kernel
-(backward.py) and MSA's dk_proxy kernel (msa/kl_gluon.py).
+its column of the transposed layout (the query blocks that use it), as the dK/dV kernel
+(backward.py) does.
 
 Walked upwards from each column's first entry, a program reaches a query position one kv
 block's worth of positions (128) after its left neighbour. To read each query tile once
