@@ -80,8 +80,11 @@ from flash_msa.ops.gluon.forward import (
     _visible_keys,
     copy_half,
     document_bounds,
+    half_coordinates,
     half_descriptor,
     half_layout,
+    half_tile,
+    head_column,
     kernel_masks,
     mma_layout,
     slot_barriers,
@@ -168,12 +171,8 @@ def _load_half(desc, half, ready, batch, seq_len_q, query_first, head, PACK: gl.
     from `head` (see forward.copy_half), completing `ready`."""
     HEAD_DIM: gl.constexpr = half.type.shape[1]
     mbarrier.expect(ready, desc.block_type.nbytes)
-    if PACK == 1:
-        column = head * HEAD_DIM
-    else:
-        column = head
-    copy_half(desc, half, ready, batch * seq_len_q + query_first, column, batch, query_first,
-              PACK)  # fmt: skip
+    copy_half(desc, half, ready, batch * seq_len_q + query_first,
+              head_column(head, HEAD_DIM, PACK), batch, query_first, PACK)  # fmt: skip
 
 
 @builtin
@@ -242,13 +241,12 @@ def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
                     _ptx(turn, "fence.acq_rel.gpu; fence.proxy.async.global;")
                 for half in gl.static_range(2):
                     mbarrier.wait(dq_full.index(half), step & 1)
-                    if PACK == 1:
-                        _tma_reduce_add(dq_desc, [batch * seq_len_q + query_first,
-                                                  head * 2 * HALF_D + half * HALF_D],
-                                        dq_smem.index(half))  # fmt: skip
-                    else:  # positions from S_q on are dropped
-                        _tma_reduce_add(dq_desc, [batch, query_first, head, half * HALF_D],
-                                        dq_smem.index(half).reshape(dq_desc.block_type.shape))
+                    # PACK > 1: positions from S_q on are dropped
+                    coordinates = half_coordinates(batch * seq_len_q + query_first,
+                                                   head_column(head, 2 * HALF_D, PACK), batch,
+                                                   query_first, half * HALF_D, PACK)  # fmt: skip
+                    _tma_reduce_add(dq_desc, coordinates,
+                                    half_tile(dq_desc, dq_smem.index(half), PACK))  # fmt: skip
                 if MODE.ordered:
                     # Release once the adds are complete (not only read from shared memory).
                     _ptx(turn, "cp.async.bulk.wait_group 0; fence.proxy.async.global; "

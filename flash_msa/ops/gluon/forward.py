@@ -217,16 +217,46 @@ def _load_tile(tile, count, loaded, loads, PACK: gl.constexpr):
 
 
 @gluon.jit
+def head_column(head, HEAD_DIM: gl.constexpr, PACK: gl.constexpr):
+    """The column coordinate of query head `head` in a half_descriptor view: its first
+    element (head * HEAD_DIM) in the 2-D view for PACK 1, the head itself in the 4-D one."""
+    if PACK == 1:
+        column = head * HEAD_DIM
+    else:
+        column = head
+    return column
+
+
+@gluon.jit
+def half_coordinates(row, column, batch, query_first, offset, PACK: gl.constexpr):
+    """A query half's TMA coordinates in a half_descriptor view, from element `offset` of
+    its rows on: PACK 1, [row, column + offset] of the 2-D view; PACK > 1, [batch,
+    query_first, column, offset] of the 4-D one (column: see head_column)."""
+    if PACK == 1:
+        coordinates = [row, column + offset]
+    else:
+        coordinates = [batch, query_first, column, offset]
+    return coordinates
+
+
+@gluon.jit
+def half_tile(desc, tile, PACK: gl.constexpr):
+    """The shared tile [64, columns] of a query half as desc's block: itself for PACK 1,
+    reshaped to the 4-D box [1, 64 / PACK positions, PACK heads, columns] otherwise."""
+    if PACK == 1:
+        shaped = tile
+    else:
+        shaped = tile.reshape(desc.block_type.shape)
+    return shaped
+
+
+@gluon.jit
 def copy_half(desc, half, bar, row, column, batch, query_first, PACK: gl.constexpr):
     """A TMA load of a query-side half [64, D] into the shared tile `half`, counted on the
-    mbarrier `bar`: PACK 1, the 2-D view's block at [row, column]; PACK > 1, the 4-D view's
-    box [1, 64 / PACK positions, PACK heads, D] at [batch, query_first, column, 0] (column:
-    the first head; zeros from S on)."""
-    if PACK == 1:
-        tma.async_copy_global_to_shared(desc, [row, column], bar, half)
-    else:
-        tma.async_copy_global_to_shared(desc, [batch, query_first, column, 0], bar,
-                                        half.reshape(desc.block_type.shape))  # fmt: skip
+    mbarrier `bar`, at half_coordinates (PACK > 1: zeros from S on)."""
+    tma.async_copy_global_to_shared(desc, half_coordinates(row, column, batch, query_first, 0,
+                                                           PACK),
+                                    bar, half_tile(desc, half, PACK))  # fmt: skip
 
 
 @gluon.jit
@@ -241,8 +271,9 @@ def store_half(desc, tile, out, row, column, batch, query_first, seq_len_q, row_
     ROWS: gl.constexpr = tile.type.shape[0]
     if PACK > 1:
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [batch, query_first, column, 0],
-                                        tile.reshape(desc.block_type.shape))  # fmt: skip
+        tma.async_copy_shared_to_global(desc, half_coordinates(row, column, batch, query_first,
+                                                               0, PACK),
+                                        half_tile(desc, tile, PACK))  # fmt: skip
     elif MASKS.q_tail:
         if query_first + ROWS > seq_len_q:
             _store_rows(out, tile, row, seq_len_q - query_first, column, row_stride)
