@@ -15,7 +15,7 @@ from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import check_score_dtype
 from flash_msa.msa.interface import check_granularity, check_msa_blocks, default_q_block
 from flash_msa.ops import registry
-from flash_msa.ops.interface import block_sparse_attn_func, check_options
+from flash_msa.ops.interface import block_sparse_attn_func, check_bools, check_options
 from flash_msa.rotary import apply_rotary, rotary_tables
 
 PatternBuilder = Callable[..., BlockLayout]  # builder(seq_len, *, block_size, device)
@@ -262,8 +262,7 @@ class MSAAttention(_ProjectedAttention):
     ):
         super().__init__(embed_dim, num_heads, num_kv_heads, bias, device, dtype)
         check_granularity(granularity)  # first: it sets q_block's default
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        check_bools(deterministic=deterministic)
         check_score_dtype(score_dtype, torch.device("cpu"))  # the GPU: per call
         _check_positive_ints(
             num_proxy_heads=num_proxy_heads,

@@ -224,15 +224,18 @@ def check_softmax_scale(name: str, scale) -> None:
         raise ValueError(f"{name} must be a positive finite float or None, got {scale!r}")
 
 
+def check_bools(**values) -> None:
+    """TypeError naming the first of the keyword values that is not a bool."""
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_options(
     causal, window_size, softmax_scale, dropout_p, deterministic, return_lse=False
 ) -> None:
     """The keyword options of the op (TypeError / ValueError naming the value)."""
-    for name, value in (
-        ("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)
-    ):  # fmt: skip
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    check_bools(causal=causal, deterministic=deterministic, return_lse=return_lse)
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
