@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU test suite with a header naming the device, versions, date, commit and source digest:
 #   FLASH_MSA_COMMIT=<commit> bash benchmarks/gpu_tests.sh LOG [pytest paths...]
-# (default paths: tests/ops tests/msa; without FLASH_MSA_COMMIT, git's HEAD where there is one)
+# (default paths: tests/ops tests/msa; without FLASH_MSA_COMMIT, git's HEAD where there is one).
+# Each failure is logged as it happens (pytest -v, passes left out), so a run cut short by a
+# time limit still names its failures; on one H100 the default paths take over 10 minutes
+# at -n 8: give tests/ops and tests/msa a run each where a call is limited to 10.
 set -uo pipefail
 log=$1
 shift
@@ -17,7 +20,7 @@ digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | c
 {
   python3 -c "import datetime, torch, triton; print(f'# GPU test run: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}')"
   echo "# commit $commit; flash_msa/**/*.py sha256 $digest"
-  echo "# python3 -m pytest -q -n 8 $*, then the large_memory tests alone"
+  echo "# python3 -m pytest -v -n 8 $*, then the large_memory tests alone (PASSED lines left out)"
 } >"$log"
-python3 -m pytest -q -n 8 -rfE -m "not large_memory" "$@" 2>&1 | tee -a "$log"
-python3 -m pytest -q -n 0 -rfE -m large_memory "$@" 2>&1 | tee -a "$log"
+python3 -m pytest -v -n 8 -rfE -m "not large_memory" "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
+python3 -m pytest -v -n 0 -rfE -m large_memory "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"

@@ -5,10 +5,10 @@
 attention: the Triton attention forward, dQ and dK/dV kernels (ragged lengths, GQA
 packing, documents and dropout, TMA and pointer loads); msa: the MSA kernels (block
 scores, KL forward, dq_proxy and dk_proxy); gluon (on an sm_90 GPU): the Gluon forward and
-its backward in each dQ mode (ragged lengths, GQA, a window, documents), and per-token
-MSA's Gluon selection and KL kernels (rows and dk_proxy). The Triton
-attention kernels run one explicit config each; msa_func's autotuned kernels try every
-config of their lists under the tool.
+its backward in each dQ mode (ragged lengths, GQA, a window, documents; tiles of 128
+queries and of 2 packed heads x 64 positions), and per-token MSA's Gluon selection and KL
+kernels (rows and dk_proxy). The Triton attention kernels run one explicit config each;
+msa_func's autotuned kernels try every config of their lists under the tool.
 """
 
 from __future__ import annotations
@@ -84,6 +84,15 @@ def gluon(device: torch.device) -> None:
                                     **options, grad_q=grad_q)  # fmt: skip
     torch.cuda.synchronize()
     print(f"gluon forward + backward ({', '.join(backward.GRAD_Q_MODES)}): done", flush=True)
+    # Packed tiles: query blocks of 64 hold 2 query heads of a GQA group in 128 rows.
+    packed = patterns.causal(seq_len, q_block=64, kv_block=128, device=device)
+    out, lse = forward.attention_forward(q, k, v, packed.row_offsets, packed.col_indices,
+                                         **options, q_block=64)  # fmt: skip
+    for grad_q in ("triton", "atomic"):
+        backward.attention_backward(torch.randn_like(out), q, k, v, out, lse, packed,
+                                    **options, grad_q=grad_q)  # fmt: skip
+    torch.cuda.synchronize()
+    print("gluon forward + backward of packed 64-query blocks (triton, atomic): done", flush=True)
     # Per-token MSA with 8 query heads a proxy head: the Gluon selection and KL kernels.
     msa_step(device, [(2, 64), (1, 64), (16, 64), (2, 64), (2, 64)], granularity="token")
 
