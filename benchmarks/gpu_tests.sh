@@ -22,5 +22,5 @@ digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | c
   echo "# commit $commit; flash_msa/**/*.py sha256 $digest"
   echo "# python3 -m pytest -v -n 8 $*, then the large_memory tests alone (PASSED lines left out)"
 } >"$log"
-python3 -m pytest -v -n 8 -rfE -m "not large_memory" "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
+python3 -m pytest -v -n 8 -rfE --durations=25 -m "not large_memory" "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
 python3 -m pytest -v -n 0 -rfE -m large_memory "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"

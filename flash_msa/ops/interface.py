@@ -334,7 +334,10 @@ def block_sparse_attn_func(
         deterministic: a bitwise reproducible backward (the default): backends with a faster
             backward whose sums come in a varying order (gluon's, dQ by atomics) take it
             only with deterministic=False, and those with no reproducible backward on the
-            device (torch on CUDA) are refused for calls that need a backward.
+            device (torch on CUDA) are refused for calls that need a backward. The atomic
+            adds are faster where neighbouring kv blocks share query blocks (causal,
+            windows, documents, MSA's selections) and slower on scattered blocks (random
+            top-k): docs/performance.md.
         document_ids: int [B, S] (non-decreasing along S, S_q == S_kv): keep pairs of one
             document.
         positions: a BlockPositions placing the layout's blocks in a longer sequence (context
