@@ -3,8 +3,8 @@
 #   FLASH_MSA_COMMIT=<commit> bash benchmarks/gpu_tests.sh LOG [pytest paths...]
 # (default paths: tests/ops tests/msa; without FLASH_MSA_COMMIT, git's HEAD where there is one).
 # Each failure is logged as it happens (pytest -v, passes left out), so a run cut short by a
-# time limit still names its failures; on one H100 the default paths take over 10 minutes
-# at -n 8: give tests/ops and tests/msa a run each where a call is limited to 10.
+# time limit still names its failures. On one H100 the default paths take over 10 minutes
+# at -n 8: under a shorter limit, run tests/ops and tests/msa apart.
 set -uo pipefail
 log=$1
 shift
