@@ -312,10 +312,10 @@ def flex_fwd_bwd(inputs: dict, selection: MsaSelection) -> tuple[dict, float]:
 
 
 def run_flex(seq_len: int, inputs: dict, selection: MsaSelection, granularity: str,
-             main_ms: float) -> dict:  # fmt: skip
-    """FlexAttention on flash_msa's selection; recorded with its error when it fails (at 1M
-    its per-head block indices alone take 32 GiB each)."""
-    record = dict(seq_len=seq_len, impl="flex", granularity=granularity)
+             proxies: str, main_ms: float) -> dict:  # fmt: skip
+    """FlexAttention on flash_msa's selection (from `proxies`); recorded with its error when
+    it fails (at 1M its per-head block indices alone take 32 GiB each)."""
+    record = dict(seq_len=seq_len, impl="flex", granularity=granularity, proxies=proxies)
     if granularity == "token" and seq_len > FLEX_TOKEN_MASK_UP_TO:
         record["error"] = (
             f"not run: the per-token mask [H_p, S, S / {KV_BLOCK}] bool takes "
@@ -348,8 +348,7 @@ def run_length(
     seq_len: int, device, dense_measured: dict, variants, flex: bool, proxies: list[str]
 ) -> list[dict]:
     """Dense cuDNN, then per kind of proxies each (granularity, q_block, scores) variant and, with
-    flex, FlexAttention on the first variant's selection of each granularity (random
-    proxies only)."""
+    flex, FlexAttention on the first variant's selection of each (proxies, granularity)."""
     records = [run_dense(seq_len, device, dense_measured)]
     peers_run = set()
     for kind in proxies:
@@ -358,11 +357,10 @@ def run_length(
             msa, selection = run_msa(seq_len, inputs, granularity, q_block, kind, scores)
             free_memory()
             records.append(msa)
-            if flex and kind == "random" and granularity not in peers_run:
-                peers_run.add(granularity)
-                records.append(
-                    run_flex(seq_len, inputs, selection, granularity, msa["main_attention_ms"])
-                )
+            if flex and (kind, granularity) not in peers_run:
+                peers_run.add((kind, granularity))
+                records.append(run_flex(seq_len, inputs, selection, granularity, kind,
+                                        msa["main_attention_ms"]))  # fmt: skip
             del selection
             free_memory()
         del inputs
@@ -371,10 +369,12 @@ def run_length(
 
 
 def msa_cells(msa: dict, peers: dict) -> list:
-    """One flash_msa record's row: its parts, flex on a selection of the same granularity,
-    dense cuDNN (peers: (impl, granularity or None) -> record, of the same length)."""
-    flex = peers.get(("flex", msa["granularity"]), {})
-    dense = peers.get(("sdpa_cudnn", None))
+    """One flash_msa record's row: its parts, flex on a selection of the same granularity and
+    proxies, dense cuDNN (peers: (impl, granularity or None, proxies) -> record, of the same
+    length; records without proxies, dense ones among them, count as random's)."""
+    proxies = msa.get("proxies", "random")
+    flex = peers.get(("flex", msa["granularity"], proxies), {})
+    dense = peers.get(("sdpa_cudnn", None, "random"))
     if "fwd_bwd_ms" in flex:
         flex_ms = f"{flex['fwd_bwd_ms']:.3f}"
         versus_flex = f"{flex['fwd_bwd_ms'] / msa['main_attention_ms']:.2f}x"
@@ -389,7 +389,7 @@ def msa_cells(msa: dict, peers: dict) -> list:
         f"{msa['seq_len']:,}",
         msa["granularity"],
         msa.get("q_block", Q_BLOCK),
-        msa.get("proxies", "random"),
+        proxies,
         msa.get("scores", "bf16"),
         f"{msa['fwd_bwd_ms']:.3f}",
         f"{msa['selection_ms']:.3f}",
@@ -407,7 +407,7 @@ def msa_cells(msa: dict, peers: dict) -> list:
 def write_reports(records: list[dict], meta: dict, out_dir) -> None:
     peers: dict[int, dict] = {}
     for record in records:
-        key = (record["impl"], record.get("granularity"))
+        key = (record["impl"], record.get("granularity"), record.get("proxies", "random"))
         peers.setdefault(record["seq_len"], {})[key] = record
     columns = ["S", "granularity", "q_block", "proxies", "scores", "flash_msa ms", "selection ms",
                "main attention ms", "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
@@ -484,13 +484,13 @@ def main() -> None:
     meta = run_metadata(device)
     out_dir = results_dir(args.out, device)
     seq_lens = sorted(parse_length(text) for text in args.seq_lens.split(","))
-    flex = not args.no_flex and "random" in proxies  # run_length's flex records
+    flex = not args.no_flex  # run_length's flex records
     measured = [
         *((s, impl, None, None, "random", "bf16") for s in seq_lens
           for impl in ("sdpa_cudnn", "flash_msa", "flex")),  # dense, and pre-granularity rows
         *((s, "flash_msa", granularity, q_block, kind, scores) for s in seq_lens
           for kind in proxies for granularity, q_block, scores in variants),
-        *((s, "flex", granularity, None, "random", "bf16") for s in seq_lens
+        *((s, "flex", granularity, None, kind, "bf16") for s in seq_lens for kind in proxies
           for granularity in granularities if flex),
     ]  # fmt: skip
     records = kept_records(out_dir / "msa.json", record_key, measured)
