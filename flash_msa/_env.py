@@ -36,6 +36,17 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_properties(device: torch.device):
+    """torch's properties of a CUDA device (the current one where it names no index), read
+    once per device."""
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def on_tensor_device(function):
     """`function` (a custom op's implementation, which launches kernels) run with the CUDA
     device of its first tensor argument current: Triton and Gluon launch on the current
@@ -58,33 +69,23 @@ def on_tensor_device(function):
 HOPPER_SHARED_MEMORY = 232_448  # bytes a block may opt into on sm_90 (H100, H200)
 
 
-@functools.cache
-def _shared_memory(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
-
-
 def shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one program may use on a CUDA device (Hopper's on any other
     device, where kernels run interpreted or are only compiled)."""
     if device.type != "cuda":
         return HOPPER_SHARED_MEMORY
-    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(device).shared_memory_per_block_optin
 
 
 HOPPER_L2 = (132, 50 * 2**20)  # an H100's / H200's multiprocessors and L2 bytes
-
-
-@functools.cache
-def _l2(index: int) -> tuple[int, int]:
-    properties = torch.cuda.get_device_properties(index)
-    return properties.multi_processor_count, properties.L2_cache_size
 
 
 def multiprocessors_and_l2(device: torch.device) -> tuple[int, int]:
     """A CUDA device's multiprocessor count and L2 bytes (an H100's on any other device)."""
     if device.type != "cuda":
         return HOPPER_L2
-    return _l2(device.index if device.index is not None else torch.cuda.current_device())
+    properties = _cuda_properties(device)
+    return properties.multi_processor_count, properties.L2_cache_size
 
 
 def can_run_triton(device: torch.device) -> bool:
