@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU test suite with a header naming the device, versions, date, commit and source digest:
-#   FLASH_MSA_COMMIT=<commit> bash benchmarks/gpu_tests.sh LOG [pytest paths...]
-# (default paths: tests/ops tests/msa; without FLASH_MSA_COMMIT, git's HEAD where there is one).
-# Each failure is logged as it happens (pytest -v, passes left out), so a run cut short by a
-# time limit still names its failures. On one H100 the default paths take over 10 minutes
-# at -n 8: under a shorter limit, run tests/ops and tests/msa apart.
+# The GPU test suite (the tests marked gpu; CI runs the rest) with a header naming the device,
+# versions, date, commit and source digest:
+#   FLASH_MSA_COMMIT=<commit> LIMIT_S=<seconds> bash benchmarks/gpu_tests.sh LOG [pytest paths...]
+# (default path: tests; without FLASH_MSA_COMMIT, git's HEAD where there is one). Each failure
+# is logged as it happens (pytest -v, passes left out); LIMIT_S interrupts the parallel run
+# after that many seconds (0, the default: no limit) so that pytest still prints its summary.
 set -uo pipefail
 log=$1
 shift
-[ $# -gt 0 ] || set -- tests/ops tests/msa
+[ $# -gt 0 ] || set -- tests
 commit=${FLASH_MSA_COMMIT:-}
 if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
   commit=$(git rev-parse --short HEAD)  # this repository's, not that of a folder above it
@@ -20,7 +20,9 @@ digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | c
 {
   python3 -c "import datetime, torch, triton; print(f'# GPU test run: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}')"
   echo "# commit $commit; flash_msa/**/*.py sha256 $digest"
-  echo "# python3 -m pytest -v -n 8 $*, then the large_memory tests alone (PASSED lines left out)"
+  echo "# python3 -m pytest -v -n 8 -m gpu $*, then the large_memory ones alone (PASSED lines left out)"
 } >"$log"
-python3 -m pytest -v -n 8 -rfE --durations=25 -m "not large_memory" "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
-python3 -m pytest -v -n 0 -rfE -m large_memory "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
+timeout --foreground -s INT "${LIMIT_S:-0}" \
+  python3 -m pytest -v -n 8 -rfE --durations=25 -m "gpu and not large_memory" "$@" 2>&1 \
+  | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
+python3 -m pytest -v -n 0 -rfE -m "gpu and large_memory" "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"

@@ -83,6 +83,13 @@ def _global_positions(index: torch.Tensor, block: int, blocks: torch.Tensor | No
     return blocks.long()[index // block] * block + index % block
 
 
+def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """t's slices `index` (int64, any shape) along dim. Its vjp, index_add_, adds in index order
+    on the CPU; that of advanced indexing (index_put_ with accumulate) adds with atomics there
+    once several threads share the work, which would make the backward irreproducible."""
+    return t.index_select(dim, index.flatten()).unflatten(dim, index.shape)
+
+
 def _row_attention(
     q, k, v, layout, index, rows, width, *, causal, window_size, scale, documents, dropout_p,
     dropout_seed, batch_ids, head_ids, positions, query_masks,
@@ -121,9 +128,9 @@ def _row_attention(
     q_pos = _global_positions(q_index, layout.q_block, q_blocks)  # [R, q_block]
 
     accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for ground truth
-    q_rows = q[:, q_index].to(accumulate)  # [b, R, q_block, h, D]
-    k_rows = k[:, k_index].to(accumulate)  # [b, R, m * kv_block, h, D]
-    v_rows = v[:, k_index].to(accumulate)  # [b, R, m * kv_block, h, D]
+    q_rows = _gather(q, 1, q_index).to(accumulate)  # [b, R, q_block, h, D]
+    k_rows = _gather(k, 1, k_index).to(accumulate)  # [b, R, m * kv_block, h, D]
+    v_rows = _gather(v, 1, k_index).to(accumulate)  # [b, R, m * kv_block, h, D]
     if positions is not None:  # a buffer's padding rows may hold anything, even NaN
         k_rows, v_rows = (torch.where(k_ok[:, :, None, None], t, 0) for t in (k_rows, v_rows))
     scores = torch.einsum("brihd,brjhd->bhrij", q_rows, k_rows) * scale
@@ -189,7 +196,7 @@ def attention_forward(
     for index, batches, heads in layout_slices(layout, heads_q):
         q_part = q[batches, :, heads]
         kv_heads = kv_head_of[heads]
-        k_part, v_part = k[batches][:, :, kv_heads], v[batches][:, :, kv_heads]
+        k_part, v_part = (_gather(t[batches], 2, kv_heads) for t in (k, v))
         width = widths[index]
         per_row = q_part.shape[0] * q_part.shape[2] * layout.q_block * width * layout.kv_block
         documents = None if document_ids is None else document_ids[batches]
