@@ -48,12 +48,11 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(x)), torch.stack(kl_losses).mean()
 
 
-def sparse_attention(backend: str) -> functools.partial:
-    """A FlashSparseAttention factory: a fixed window + sinks layout (a layout built in the
-    graph would run a builder under tracing)."""
-    layout = patterns.sliding_window(SEQ_LEN, 32, block_size=16) | patterns.global_tokens(
-        SEQ_LEN, 16, block_size=16
-    )
+def sparse_attention(backend: str, device: str) -> functools.partial:
+    """A FlashSparseAttention factory: a fixed window + sinks layout on `device` (a layout
+    built in the graph would run a builder under tracing)."""
+    layout = patterns.sliding_window(SEQ_LEN, 32, block_size=16, device=device)
+    layout = layout | patterns.global_tokens(SEQ_LEN, 16, block_size=16, device=device)
     return functools.partial(
         FlashSparseAttention, DIM, HEADS, num_kv_heads=KV_HEADS, block_size=16, pattern=layout,
         backend=backend,
@@ -99,7 +98,7 @@ def assert_one_graph_matching_eager(attention: functools.partial, device: str, t
 
 def test_sparse_attention_model_compiles_to_one_graph():
     """The torch backend on the CPU: the custom op holds the backend, the rest is torch."""
-    assert_one_graph_matching_eager(sparse_attention("torch"), "cpu", 1e-6)
+    assert_one_graph_matching_eager(sparse_attention("torch", "cpu"), "cpu", 1e-6)
 
 
 @pytest.mark.skipif(
@@ -115,5 +114,5 @@ def test_msa_model_compiles_to_one_graph():
 @pytest.mark.parametrize("attention", ["sparse", "msa"])
 def test_model_compiles_to_one_graph_on_the_gpu(attention):
     """The same with the GPU kernels (backend "auto")."""
-    factory = sparse_attention("auto") if attention == "sparse" else msa_attention()
+    factory = sparse_attention("auto", "cuda") if attention == "sparse" else msa_attention()
     assert_one_graph_matching_eager(factory, "cuda", 1e-5)
