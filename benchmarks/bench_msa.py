@@ -47,7 +47,7 @@ from common import (
     write_report,
 )
 
-from flash_msa import block_sparse_attn_func
+from flash_msa import BlockLayout, block_sparse_attn_func, patterns
 from flash_msa.msa import msa_func, proxy_kl_loss
 from flash_msa.msa.fp8 import FP8
 from flash_msa.msa.interface import GRANULARITIES, MsaSelection, select
@@ -57,6 +57,7 @@ PROXY_HEAD_DIM = HEAD_DIM
 TOP_K, Q_BLOCK, KV_BLOCK = 16, 64, 128  # q_block: granularity block's selection unit
 DENSE_MEASURED_UP_TO = 128 * K
 FLEX_TOKEN_MASK_UP_TO = 128 * K  # its per-token mask [H_p, S, nk] bool: 0.5 GiB at 128K
+FLEX_TOKEN_TILE = 64  # query rows of flex's block mask for per-token selections
 LOCAL_WINDOW = 4096  # proxies "local": keys correlated over this many tokens
 PROXIES = ("random", "local")
 
@@ -282,13 +283,30 @@ def flex_tiles_dividing_blocks():
     return tiles
 
 
+def tile_union(chosen: torch.Tensor, kv_block: int) -> BlockLayout:
+    """The layout of FLEX_TOKEN_TILE-row query tiles over the kv blocks any of their tokens
+    read, of per-token blocks chosen bool [H_p, S, nk]: flex's per-head block indices take
+    [H_q, S / q_block, nk] int32 twice over (full and partial) and twice again transposed for
+    the backward, 16 GiB at 128K for tiles of 8 rows."""
+    heads, seq_len, kv_blocks = chosen.shape
+    padded = -seq_len % FLEX_TOKEN_TILE
+    tiles = torch.nn.functional.pad(chosen, (0, 0, 0, padded))  # [H_p, S', nk]
+    tiles = tiles.view(heads, -1, FLEX_TOKEN_TILE, kv_blocks).any(2)  # [H_p, S' / tile, nk]
+    return patterns.from_dense_mask(
+        tiles, seq_len_q=seq_len, q_block=FLEX_TOKEN_TILE, kv_block=kv_block
+    )
+
+
 def flex_fwd_bwd(inputs: dict, selection: MsaSelection) -> tuple[dict, float]:
     """Compiled FlexAttention fwd+bwd over the selection (per-token ones through a mask_mod
-    reading each token's blocks), and the relative difference of its output from
-    block_sparse_attn_func's."""
+    reading each token's blocks, over FLEX_TOKEN_TILE-row tiles), and the relative difference
+    of its output from block_sparse_attn_func's."""
     q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
     layout, query_masks = selection
-    chosen = None if query_masks is None else token_blocks(selection, q.shape[1])
+    chosen = None
+    if query_masks is not None:
+        chosen = token_blocks(selection, q.shape[1])  # [H_p, S, nk]
+        layout = tile_union(chosen, layout.kv_block)
     block_mask = flex_block_mask(layout, HEADS_Q, token_blocks=chosen)
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
     flex = compiled_flex()
