@@ -303,11 +303,11 @@ def flex_fwd_bwd(inputs: dict, selection: MsaSelection) -> tuple[dict, float]:
     of its output from block_sparse_attn_func's."""
     q, k, v, dout = (inputs[name] for name in ("q", "k", "v", "dout"))
     layout, query_masks = selection
-    chosen = None
+    flex_layout, chosen = layout, None
     if query_masks is not None:
         chosen = token_blocks(selection, q.shape[1])  # [H_p, S, nk]
-        layout = tile_union(chosen, layout.kv_block)
-    block_mask = flex_block_mask(layout, HEADS_Q, token_blocks=chosen)
+        flex_layout = tile_union(chosen, layout.kv_block)
+    block_mask = flex_block_mask(flex_layout, HEADS_Q, token_blocks=chosen)
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))  # flex takes [B, H, S, D]
     flex = compiled_flex()
 

@@ -1,0 +1,84 @@
+"""benchmarks/bench_msa.py: FlexAttention's mask for a per-token selection attends to what
+block_sparse_attn_func does; the report sets each flash_msa row's main attention against
+FlexAttention run on a selection of the same granularity and proxies (none: "-"), and its
+step against dense cuDNN at the same length."""
+
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from flash_msa import block_sparse_attn_func, patterns
+from flash_msa.bench import flex_block_mask
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench_msa(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import common from there
+    return importlib.import_module("bench_msa")
+
+
+def test_flex_attends_to_a_per_token_selection_as_flash_msa(bench_msa):
+    """A selection of 8-row tiles with a word of token bits per entry; flex runs it over
+    64-row tiles of the union of their tokens' blocks, the mask_mod reading each token's."""
+    seq_len, heads_proxy, heads_q, heads_kv, kv_block, q_block = 512, 4, 8, 2, 128, 8
+    generator = torch.Generator().manual_seed(0)
+    tokens, blocks = torch.arange(seq_len), torch.arange(seq_len // kv_block)
+    chosen = torch.rand(heads_proxy, seq_len, blocks.numel(), generator=generator) < 0.5
+    chosen &= blocks[None, None] * kv_block <= tokens[None, :, None]  # visible blocks
+    chosen[:, tokens, tokens // kv_block] = True  # its own block
+    tiles = chosen.view(heads_proxy, -1, q_block, blocks.numel())  # [H_p, nq, q_block, nk]
+    layout = patterns.from_dense_mask(
+        tiles.any(2), seq_len_q=seq_len, q_block=q_block, kv_block=kv_block
+    )
+    rows = layout.entry_rows()
+    row_bits = tiles[rows // layout.num_q_blocks, rows % layout.num_q_blocks, :,
+                     layout.col_indices.long()]  # fmt: skip  # [nnz, q_block]
+    words = (row_bits.long() << torch.arange(q_block)).sum(1)
+    assert torch.equal(bench_msa.token_blocks((layout, words), seq_len), chosen)
+    q, k, v = (
+        torch.randn(1, seq_len, heads, 16, generator=generator)
+        for heads in (heads_q, heads_kv, heads_kv)
+    )
+    block_mask = flex_block_mask(
+        bench_msa.tile_union(chosen, kv_block), heads_q, token_blocks=chosen
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # uncompiled flex: the reference implementation
+        out = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask,
+                             enable_gqa=True).transpose(1, 2)  # fmt: skip
+    expected = block_sparse_attn_func(q, k, v, layout, causal=True, query_masks=words)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def msa_row(proxies: str, total_ms: float, main_ms: float) -> dict:
+    return dict(seq_len=131072, impl="flash_msa", granularity="token", q_block=8,
+                proxies=proxies, scores="bf16", fwd_bwd_ms=total_ms, selection_ms=15.0,
+                main_attention_ms=main_ms, main_attention_tflops=355.0, kl_ms=41.0,
+                peak_gib=9.6, commit="c")  # fmt: skip
+
+
+def test_each_row_takes_the_flex_run_of_its_own_proxies(tmp_path, bench_msa):
+    records = [
+        dict(seq_len=131072, impl="sdpa_cudnn", granularity=None, fwd_bwd_ms=1800.0,
+             estimated=False, commit="c"),  # fmt: skip
+        msa_row("local", 150.0, 80.0),
+        dict(seq_len=131072, impl="flex", granularity="token", proxies="local",
+             fwd_bwd_ms=200.0, commit="c"),  # fmt: skip
+        msa_row("random", 300.0, 120.0),
+    ]
+    meta = dict(device="NVIDIA H200", torch="2.11", triton="3.6", date="2026-12-06", commit="c")
+    bench_msa.write_reports(records, meta, tmp_path)
+    rows = {
+        cells[3]: cells
+        for line in (tmp_path / "msa.md").read_text().splitlines()
+        if line.startswith("| 131,072")
+        for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
+    }
+    assert rows["local"][11:15] == ["200.000", "2.50x", "1,800.0", "12.0x"]
+    assert rows["random"][11:15] == ["-", "-", "1,800.0", "6.0x"]
