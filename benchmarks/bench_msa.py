@@ -453,8 +453,9 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         "(recent blocks chosen, neighbours' choices overlapping). Forward + backward ms, "
         "medians of do_bench. KL = total minus selection and main attention. Main TFLOP/s over the "
         "(query, key <= query) pairs the selection holds. Flex runs the main attention only, "
-        "on the same selection (per token: a mask_mod reading each token's blocks, every "
-        "block partial), with tiles of 32 and 64 query rows. Dense figures marked * are "
+        "on the same selection (per token: a mask_mod reading each token's blocks over "
+        f"{FLEX_TOKEN_TILE}-row tiles of their union, every block partial), with tiles of 32 "
+        "and 64 query rows. Dense figures marked * are "
         "estimated from 128K (x (S / 128K)^2).",
         body=markdown_table(columns, rows),
     )

@@ -2,20 +2,17 @@
 # The GPU test suite (the tests marked gpu; CI runs the rest) with a header naming the device,
 # versions, date, commit and source digest:
 #   FLASH_MSA_COMMIT=<commit> LIMIT_S=<seconds> bash benchmarks/gpu_tests.sh LOG [pytest paths...]
-# (default path: tests; without FLASH_MSA_COMMIT, git's HEAD where there is one). Each failure
-# is logged as it happens (pytest -v, passes left out); LIMIT_S interrupts the parallel run
-# after that many seconds (0, the default: no limit) so that pytest still prints its summary.
+# (default path: tests). Each failure is logged as it happens (pytest -v, passes left out);
+# LIMIT_S interrupts the parallel run after that many seconds (0, the default: no limit) so
+# that pytest still prints its summary.
 set -uo pipefail
 log=$1
 shift
 [ $# -gt 0 ] || set -- tests
-commit=${FLASH_MSA_COMMIT:-}
-if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
-  commit=$(git rev-parse --short HEAD)  # this repository's, not that of a folder above it
-fi
-commit=${commit:-unknown}
-# The digest too: a copied working tree may carry a stale .git (benchmarks/common.py records
-# the same digest with every benchmark result).
+# FLASH_MSA_COMMIT, else git's HEAD, "+modified" where flash_msa differs from it (a copied
+# tree's .git may be stale), as every benchmark record names it
+commit=$(python3 -c "from flash_msa.bench import source_commit; print(source_commit())")
+# The digest too: benchmarks/common.py records the same with every benchmark result.
 digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)
 {
   python3 -c "import datetime, torch, triton; print(f'# GPU test run: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}')"
