@@ -30,7 +30,11 @@ import torch
 
 from flash_msa import patterns
 from flash_msa.layout import BlockLayout, checked_device
-from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
+from flash_msa.ops.interface import (
+    block_sparse_attn_func,
+    block_sparse_attn_varlen_func,
+    check_bools,
+)
 from flash_msa.sequences import document_begins, document_first_tokens, document_ids_of_starts
 
 # The name models pass as attn_implementation. transformers (5.x) takes every name holding
@@ -259,6 +263,17 @@ def _covers_window(spec_key: str, seq_len: int, device: torch.device, window: in
     return (layout | needed).nnz == layout.nnz
 
 
+def deterministic_of(kwargs: dict) -> bool:
+    """The `deterministic` a model's forward passes down to its attention layers (as
+    transformers' FlashAttention integration reads it), True when absent or None: a bitwise
+    reproducible backward; False lets the backward add in a varying order where that is
+    faster."""
+    deterministic = kwargs.get("deterministic")
+    deterministic = True if deterministic is None else deterministic
+    check_bools(deterministic=deterministic)
+    return deterministic
+
+
 def _check_options(module, query, key, value, is_causal, sliding_window, kwargs) -> None:
     for option, meaning in _UNSUPPORTED_OPTIONS.items():
         if kwargs.get(option) is not None:
@@ -405,8 +420,9 @@ def attention_forward(
         scaling: the softmax scale (1 / sqrt(D) when None).
         sliding_window: keys a query sees, itself included (i - j < sliding_window), or None.
         is_causal: must be True or None (then module.is_causal).
-        kwargs: position_ids, cu_seq_lens_q / cu_seq_lens_k / max_length_q; the options
-            block-sparse attention cannot honour raise ValueError.
+        kwargs: position_ids, cu_seq_lens_q / cu_seq_lens_k / max_length_q, deterministic
+            (model(..., deterministic=False): a faster backward, its sums in a varying
+            order); the options block-sparse attention cannot honour raise ValueError.
 
     Returns:
         (out [B, S, H_q, D], None): no attention weights are formed.
@@ -430,8 +446,9 @@ def attention_forward(
             )
         window_size = (sliding_window - 1, 0)
     options = dict(
-        causal=True, window_size=window_size, softmax_scale=scaling, dropout_p=float(dropout)
-    )
+        causal=True, window_size=window_size, softmax_scale=scaling, dropout_p=float(dropout),
+        deterministic=deterministic_of(kwargs),
+    )  # fmt: skip
     q, k, v = (tensor.transpose(1, 2) for tensor in (query, key, value))  # [B, S, H, D]
     packed = _packed_cu_seqlens(kwargs, batch, seq_len, document_ids)
     if packed is not None:

@@ -56,6 +56,7 @@ from flash_msa.integrations.transformers import (
     _documents,
     _packed_cu_seqlens,
     _register,
+    deterministic_of,
     window_of,
 )
 from flash_msa.modules import _check_positive_ints
@@ -492,7 +493,8 @@ def attention_forward(
         sliding_window: None, or at least the sequence length (then it masks nothing).
         is_causal: must be True or None (then module.is_causal).
         kwargs: position_ids (the proxy's rotary positions, and packed documents where they
-            restart), cu_seq_lens_q / cu_seq_lens_k / max_length_q.
+            restart), cu_seq_lens_q / cu_seq_lens_k / max_length_q, deterministic (msa_func's:
+            model(..., deterministic=False) for a faster backward, its sums in a varying order).
 
     Returns:
         (out [B, S, H_q, D], None); the layer's kl_loss is kept for collect_kl_loss.
@@ -529,7 +531,7 @@ def attention_forward(
     options = dict(
         top_k=settings["top_k"], q_block=settings["q_block"], kv_block=settings["kv_block"],
         softmax_scale=scaling, warmup=settings["warmup"], granularity=settings["granularity"],
-        score_dtype=SCORE_DTYPES[settings["score_dtype"]],
+        score_dtype=SCORE_DTYPES[settings["score_dtype"]], deterministic=deterministic_of(kwargs),
     )  # fmt: skip
     if packed is not None:  # one row (checked), its documents as cu_seqlens name them
         out, kl_loss = msa_func(*(t[0] for t in tensors), cu_seqlens=packed[0], **options)

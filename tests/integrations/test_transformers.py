@@ -265,6 +265,23 @@ def test_layout_built_once_per_length_and_device(name):
         flash_msa_hf.layout_for(model.config, 0, 56, device="gpu")
 
 
+def test_deterministic_reaches_the_op(name):
+    """model(..., deterministic=False) reaches every layer's block_sparse_attn_func (True when
+    absent, as transformers' FlashAttention integration reads it); a non-bool is refused."""
+    model = tiny_model("llama")
+    op = mock.create_autospec(
+        flash_msa_hf.block_sparse_attn_func, side_effect=flash_msa_hf.block_sparse_attn_func
+    )
+    with mock.patch.object(flash_msa_hf, "block_sparse_attn_func", op):
+        logits(model, name, tokens(1, 24))
+        logits(model, name, tokens(1, 24), deterministic=False)
+    layers = model.config.num_hidden_layers
+    flags = [call.kwargs["deterministic"] for call in op.call_args_list]
+    assert flags == [True] * layers + [False] * layers
+    with pytest.raises(TypeError, match="deterministic must be a bool, got str"):
+        logits(model, name, tokens(1, 24), deterministic="no")
+
+
 def test_padding_mask_is_refused(name):
     model = tiny_model("llama")
     attention_mask = torch.ones(2, 24, dtype=torch.long)

@@ -240,6 +240,26 @@ def test_fp8_scores_reach_msa_func_and_survive_saving(tmp_path):
     assert msa_hf.load_msa_model(tmp_path).config.flash_msa_msa == model.config.flash_msa_msa
 
 
+def test_deterministic_reaches_msa_func():
+    """model(..., deterministic=False) reaches every layer's msa_func (True when absent, as
+    transformers' FlashAttention integration reads it); a non-bool is refused."""
+    model = converted()
+    calls = []
+
+    def recording(*tensors, **options):
+        calls.append(options["deterministic"])
+        return msa_func(*tensors, **options)
+
+    layers = model.config.num_hidden_layers
+    with mock.patch.object(msa_hf, "msa_func", recording):
+        logits(model, tokens(1, 64))
+        assert calls == [True] * layers
+        logits(model, tokens(1, 64), deterministic=False)
+        assert calls[layers:] == [False] * layers
+    with pytest.raises(TypeError, match="deterministic must be a bool, got int"):
+        logits(model, tokens(1, 64), deterministic=0)
+
+
 @pytest.mark.parametrize(
     "options, error, match",
     [
