@@ -303,7 +303,7 @@ class BlockLayout:
             )
 
     def _entry_row(self, entry: int) -> tuple[int, int]:
-        flat = self.row_offsets[:, :-1].flatten()
+        flat = self.row_offsets[:, :-1].flatten().contiguous()  # searchsorted warns on strides
         index = int(torch.searchsorted(flat, torch.tensor(entry, dtype=flat.dtype), right=True)) - 1
         # Empty rows share an offset with the next one: search finds the last such row.
         return divmod(index, self.num_q_blocks)

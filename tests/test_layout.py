@@ -1,4 +1,5 @@
 import sys
+import warnings
 
 import pytest
 import torch
@@ -69,6 +70,17 @@ def test_constructor_validation(offsets, cols, meta, error, match):
         return
     with pytest.raises(error, match=match):
         raw(offsets, cols, **meta)
+
+
+def test_strided_row_offsets_name_the_bad_entry_without_a_warning():
+    good = patterns.causal(256, block_size=64)
+    strided = torch.stack([good.row_offsets, good.row_offsets], -1)[..., 0]  # strides (10, 2)
+    cols = good.col_indices.clone()
+    cols[2] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # searchsorted warned on the strided offsets
+        with pytest.raises(ValueError, match="head 0, row 1 has 0 after 0 at entry 2"):
+            BlockLayout(strided, cols, seq_len_q=256, q_block=64)
 
 
 def test_layout_batch_must_divide_the_rows_when_layout_heads_is_left_out():
