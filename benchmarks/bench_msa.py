@@ -386,6 +386,20 @@ def run_length(
     return records
 
 
+def computed_cell(msa: dict) -> str:
+    """Main TFLOP/s over the pairs its matmuls compute, whole tiles (q_block rows x kv_block
+    keys per active block of the layout, the causal diagonal's included; the active blocks
+    from the record's density), and the share of those pairs the selection holds; "-" for
+    records from before attended_pairs was kept."""
+    if "attended_pairs" not in msa:
+        return "-"
+    q_block = msa.get("q_block", Q_BLOCK)
+    seq_len = msa["seq_len"]
+    tiles = HEADS_PROXY * -(-seq_len // q_block) * -(-seq_len // KV_BLOCK)
+    share = msa["attended_pairs"] / (round(msa["density"] * tiles) * q_block * KV_BLOCK)
+    return f"{msa['main_attention_tflops'] / share:.1f} ({share:.3f})"
+
+
 def msa_cells(msa: dict, peers: dict) -> list:
     """One flash_msa record's row: its parts, flex on a selection of the same granularity and
     proxies, dense cuDNN (peers: (impl, granularity or None, proxies) -> record, of the same
@@ -413,6 +427,7 @@ def msa_cells(msa: dict, peers: dict) -> list:
         f"{msa['selection_ms']:.3f}",
         f"{msa['main_attention_ms']:.3f}",
         msa["main_attention_tflops"],
+        computed_cell(msa),
         f"{msa['kl_ms']:.3f}",
         f"{msa['peak_gib']:.2f}",
         flex_ms,
@@ -428,7 +443,9 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         key = (record["impl"], record.get("granularity"), record.get("proxies", "random"))
         peers.setdefault(record["seq_len"], {})[key] = record
     columns = ["S", "granularity", "q_block", "proxies", "scores", "flash_msa ms", "selection ms",
-               "main attention ms", "main TFLOP/s", "KL ms", "peak GiB", "flex ms (main only)",
+               "main attention ms", "main TFLOP/s",
+               "main TFLOP/s over the tiles computed (share of their pairs selected)", "KL ms",
+               "peak GiB", "flex ms (main only)",
                "main speed-up vs flex (flex ms / main ms)", "cuDNN dense ms",
                "speed-up vs dense cuDNN (cuDNN ms / flash_msa ms)"]  # fmt: skip
     rows = [
@@ -452,11 +469,13 @@ def write_reports(records: list[dict], meta: dict, out_dir) -> None:
         f"average of noise over {LOCAL_WINDOW} tokens, queries their own key plus noise "
         "(recent blocks chosen, neighbours' choices overlapping). Forward + backward ms, "
         "medians of do_bench. KL = total minus selection and main attention. Main TFLOP/s over the "
-        "(query, key <= query) pairs the selection holds. Flex runs the main attention only, "
-        "on the same selection (per token: a mask_mod reading each token's blocks over "
-        f"{FLEX_TOKEN_TILE}-row tiles of their union, every block partial), with tiles of 32 "
-        "and 64 query rows. Dense figures marked * are "
-        "estimated from 128K (x (S / 128K)^2).",
+        "(query, key <= query) pairs the selection holds, and over the pairs its matmuls "
+        "compute: q_block rows x kv_block keys of every block of the layout (per token: the "
+        "union of the tile's tokens' blocks), the causal diagonal's whole. Flex runs the main "
+        "attention only, on the same selection (per token: a mask_mod reading each token's "
+        f"blocks over {FLEX_TOKEN_TILE}-row tiles of their union, every block partial), with "
+        "tiles of 32 and 64 query rows. Dense figures marked * are estimated from 128K "
+        "(x (S / 128K)^2).",
         body=markdown_table(columns, rows),
     )
 
