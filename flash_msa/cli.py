@@ -158,7 +158,7 @@ def show(args: argparse.Namespace) -> int:
 FIELD_LABELS = {
     "speed": "auto rank",
     "head_dims_text": "head dims",
-    "min_capability": "compute capability",
+    "capabilities": "compute capability",
     "documents": "document masks",
     "deterministic": "deterministic backward on",
     "nondeterministic_backward": "faster backward with deterministic=False",
@@ -172,8 +172,8 @@ def _describe_field(name: str, value) -> str:
         text = "yes" if value else "no"
     elif value is None:
         text = "any"
-    elif name == "min_capability":
-        text = ".".join(map(str, value)) + " or newer"
+    elif name == "capabilities":
+        text = " or ".join(".".join(map(str, each)) for each in value)
     elif isinstance(value, dict):
         text = ", ".join(f"{key} {rank}" for key, rank in value.items()) or "none"
     elif isinstance(value, tuple):

@@ -95,7 +95,7 @@ class Backend:
     head_dims_text: str
     block_sizes: tuple[int, ...]
     q_block_sizes: tuple[int, ...] | None = None  # None: block_sizes (1: a row per token)
-    min_capability: tuple[int, int] | None = None
+    capabilities: tuple[tuple[int, int], ...] | None = None  # CUDA's it runs on; None: any
     dropout: bool = True
     documents: bool = True
     query_masks: bool = True
@@ -111,11 +111,10 @@ class Backend:
         if device not in self.devices:
             return Refusal(f"{name} runs on {' or '.join(self.devices)}, not {device}")
         capability = _env.capability(call.device)
-        if self.min_capability is not None and (
-            capability is None or capability < self.min_capability
-        ):
-            need = ".".join(map(str, self.min_capability))
-            return Refusal(f"{name} needs compute capability {need} or newer, got {capability}")
+        if self.capabilities is not None and capability not in self.capabilities:
+            need = " or ".join(".".join(map(str, each)) for each in self.capabilities)
+            have = "none" if capability is None else ".".join(map(str, capability))
+            return Refusal(f"{name} runs on compute capability {need}, not {have}")
         if call.dtype not in self.dtypes:
             names = ", ".join(str(dtype).removeprefix("torch.") for dtype in self.dtypes)
             dtype = str(call.dtype).removeprefix("torch.")

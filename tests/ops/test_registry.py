@@ -199,4 +199,4 @@ def test_gluon_refuses_what_it_does_not_run(monkeypatch):
     ):
         assert gluon.refusal(dataclasses.replace(call, **change)).reason.startswith(reason)
     monkeypatch.setattr(_env, "capability", lambda device: (10, 0))
-    assert gluon.refusal(call).reason == "gluon runs on sm_90 (H100, H200) only"
+    assert gluon.refusal(call).reason == "gluon runs on compute capability 9.0, not 10.0"

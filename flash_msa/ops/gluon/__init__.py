@@ -20,7 +20,6 @@ import functools
 
 import torch
 
-from flash_msa import _env
 from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
@@ -68,8 +67,6 @@ def _backward(
 
 
 def _check(call: AttentionCall) -> Refusal | None:
-    if _env.capability(call.device) != (9, 0):
-        return Refusal("gluon runs on sm_90 (H100, H200) only")
     if call.positions:
         return Refusal("gluon has no block positions (positions=): its blocks are the tensors' own")
     if call.layout_heads not in (1, call.heads_kv, call.heads_q):
@@ -89,13 +86,14 @@ BACKEND = Backend(
     nondeterministic_backward=functools.partial(_backward, deterministic=False),
     speed={"cuda": 20},
     devices=("cuda",),
-    min_capability=(9, 0),
+    capabilities=((9, 0),),  # wgmma: sm_90 (H100, H200) only
     dtypes=(torch.float16, torch.bfloat16),
     head_dims=lambda head_dim: head_dim in HEAD_DIMS,
     head_dims_text=" and ".join(map(str, HEAD_DIMS)),
     block_sizes=(BLOCK_M,),
     q_block_sizes=QUERY_BLOCKS,
     dropout=False,
+    deterministic=("cuda",),
     check=_check,
 )
 

@@ -39,7 +39,6 @@ BACKEND = Backend(
     backward=attention_backward,
     speed={"cuda": 10},  # on the CPU the interpreter is for tests: by name only
     devices=("cuda", "cpu"),
-    min_capability=None,
     dtypes=(torch.float16, torch.bfloat16, torch.float32),
     head_dims=lambda head_dim: 1 <= head_dim <= MAX_HEAD_DIM,  # padded to a power of two
     head_dims_text=f"up to {MAX_HEAD_DIM}",
