@@ -20,10 +20,18 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "large_memory: needs most of the GPU's memory (run alone, not in parallel)"
     )
+    config.addinivalue_line(
+        "markers",
+        "on_device: runs on the GPU where there is one (elsewhere through the interpreter or "
+        "the torch backend); on a GPU machine every test of a module whose DEVICE is cuda",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        for item in items:
+            if getattr(getattr(item, "module", None), "DEVICE", None) == "cuda":
+                item.add_marker(pytest.mark.on_device)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu: run on the GPU machine)")
     for item in items:

@@ -142,7 +142,7 @@ def test_case_flops_count_the_computed_pairs():
     assert window.flops(heads, head_dim) == window.layout.flops(head_dim) * heads
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.on_device)])
 def test_timed_clears_gradients_before_every_call(device, monkeypatch):
     """Every call, the first and do_bench's warm-up ones included, starts with .grad None:
     a gradient kept from the call before would be accumulated into (two alive at once, a

@@ -126,6 +126,7 @@ def test_out_of_gpu_memory_ends_in_one_error_line(monkeypatch, capsys):
     )
 
 
+@pytest.mark.on_device
 def test_info_lists_versions_device_and_backends(capsys):
     assert main(["info"]) == 0
     printed = capsys.readouterr().out

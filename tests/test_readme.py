@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).parents[1] / "README.md"
@@ -36,6 +37,7 @@ def test_readme_snippets_are_found():
     assert "block_sparse_attn_func" in found[0][2] and "msa_func" in found[-1][2]
 
 
+@pytest.mark.on_device
 def test_readme_snippets_run_in_order(tmp_path):
     (tmp_path / "snippets.json").write_text(json.dumps(snippets()))
     env = dict(os.environ)
