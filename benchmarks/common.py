@@ -187,7 +187,7 @@ def failed_cell(record: dict) -> str:
 
 def source_digest(package: pathlib.Path = ROOT / "flash_msa") -> str:
     """sha256 of the package's **/*.py (this tree's flash_msa by default) concatenated in byte
-    order of their paths, 12 hex digits: the same as benchmarks/gpu_tests.sh writes, and
+    order of their paths, 12 hex digits (benchmarks/gpu_tests.sh heads its log with it too):
     right where a copied tree has no .git."""
     digest = hashlib.sha256()
     root = package.parent

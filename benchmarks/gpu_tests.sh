@@ -11,17 +11,19 @@ set -uo pipefail
 log=$1
 shift
 [ $# -gt 0 ] || set -- tests
-# FLASH_MSA_COMMIT, else git's HEAD, "+modified" where flash_msa differs from it (a copied
-# tree's .git may be stale), as every benchmark record names it
-commit=$(python3 -c "from flash_msa.bench import source_commit; print(source_commit())")
-# The digest too: benchmarks/common.py records the same with every benchmark result.
-digest=$(find flash_msa -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)
+on_gpu="gpu or on_device"
+# The commit and source digest every benchmark record carries (FLASH_MSA_COMMIT, else git's
+# HEAD, "+modified" where flash_msa differs from it: a copied tree's .git may be stale).
+read -r commit digest < <(PYTHONPATH=benchmarks python3 -c \
+  "from common import bench, source_digest; print(bench.source_commit(), source_digest())")
 {
   python3 -c "import datetime, torch, triton; print(f'# GPU test run: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}')"
   echo "# commit $commit; flash_msa/**/*.py sha256 $digest"
-  echo "# python3 -m pytest -v -n 8 -m 'gpu or on_device' $*, then the large_memory ones alone (PASSED lines left out)"
+  echo "# python3 -m pytest -v -n 8 -m '$on_gpu' $*, then the large_memory ones alone (PASSED lines left out)"
 } >"$log"
-timeout --foreground -s INT "${LIMIT_S:-0}" \
-  python3 -m pytest -v -n 8 -rfE --durations=25 -m "(gpu or on_device) and not large_memory" "$@" 2>&1 \
-  | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
-python3 -m pytest -v -n 0 -rfE -m "gpu and large_memory" "$@" 2>&1 | grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
+failures() {  # the run's lines into the log, passes left out
+  grep --line-buffered -v -E ' PASSED |^tests/.*::.* $' | tee -a "$log"
+}
+timeout --foreground -s INT "${LIMIT_S:-0}" python3 -m pytest -v -n 8 -rfE --durations=25 \
+  -m "($on_gpu) and not large_memory" "$@" 2>&1 | failures
+python3 -m pytest -v -n 0 -rfE -m "($on_gpu) and large_memory" "$@" 2>&1 | failures

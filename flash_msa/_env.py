@@ -24,6 +24,11 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
+def _index(device: torch.device) -> int:
+    """A CUDA device's index: the current device's where it names none."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -33,7 +38,7 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device; None for any other device."""
     if device.type != "cuda":
         return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(_index(device))
 
 
 @functools.cache
@@ -42,9 +47,8 @@ def _properties(index: int):
 
 
 def _cuda_properties(device: torch.device):
-    """torch's properties of a CUDA device (the current one where it names no index), read
-    once per device."""
-    return _properties(device.index if device.index is not None else torch.cuda.current_device())
+    """torch's properties of a CUDA device, read once per device."""
+    return _properties(_index(device))
 
 
 def on_tensor_device(function):

@@ -15,6 +15,7 @@ import torch
 from flash_msa import patterns
 from flash_msa.bench import LAYOUTS as BENCH_LAYOUTS
 from flash_msa.layout import BLOCK_SIZES, BlockLayout
+from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
@@ -173,7 +174,7 @@ def _describe_field(name: str, value) -> str:
     elif value is None:
         text = "any"
     elif name == "capabilities":
-        text = " or ".join(".".join(map(str, each)) for each in value)
+        text = registry.capabilities_text(value)
     elif isinstance(value, dict):
         text = ", ".join(f"{key} {rank}" for key, rank in value.items()) or "none"
     elif isinstance(value, tuple):
@@ -199,7 +200,6 @@ def info(args: argparse.Namespace) -> int:
     import triton
 
     from flash_msa import _env
-    from flash_msa.ops import registry
 
     try:
         version = importlib.metadata.version("flash-msa")
@@ -212,10 +212,10 @@ def info(args: argparse.Namespace) -> int:
     )
     if torch.cuda.is_available():
         device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
-        major, minor = _env.capability(device)
+        capability = registry.capability_text(_env.capability(device))
         print(
             f"device: {device} ({torch.cuda.get_device_name(device)}, compute capability "
-            f"{major}.{minor}; {torch.cuda.device_count()} visible)"
+            f"{capability}; {torch.cuda.device_count()} visible)"
         )
     else:
         device, dtype = torch.device("cpu"), torch.float32

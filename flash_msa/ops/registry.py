@@ -22,6 +22,16 @@ import torch
 from flash_msa import _env
 
 
+def capability_text(capability: tuple[int, int]) -> str:
+    """(9, 0) -> "9.0"."""
+    return ".".join(map(str, capability))
+
+
+def capabilities_text(capabilities: tuple[tuple[int, int], ...]) -> str:
+    """((8, 0), (9, 0)) -> "8.0 or 9.0"."""
+    return " or ".join(map(capability_text, capabilities))
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """What a backend must handle, read off validated inputs."""
@@ -112,9 +122,11 @@ class Backend:
             return Refusal(f"{name} runs on {' or '.join(self.devices)}, not {device}")
         capability = _env.capability(call.device)
         if self.capabilities is not None and capability not in self.capabilities:
-            need = " or ".join(".".join(map(str, each)) for each in self.capabilities)
-            have = "none" if capability is None else ".".join(map(str, capability))
-            return Refusal(f"{name} runs on compute capability {need}, not {have}")
+            have = "none" if capability is None else capability_text(capability)
+            return Refusal(
+                f"{name} runs on compute capability {capabilities_text(self.capabilities)}, "
+                f"not {have}"
+            )
         if call.dtype not in self.dtypes:
             names = ", ".join(str(dtype).removeprefix("torch.") for dtype in self.dtypes)
             dtype = str(call.dtype).removeprefix("torch.")
