@@ -127,12 +127,25 @@ def _query_first(t_col_indices, half_block, TOKENS: gl.constexpr):
 
 
 @gluon.jit
-def _producer(loads, MODE: gl.constexpr, PACK: gl.constexpr):
+def _reads(query_masks, half_block, MASKS: gl.constexpr, TOKENS: gl.constexpr):
+    """Whether step `half_block` of a column has work: always without query masks; with
+    them, where one of its TOKENS positions reads the kv block (a bit of the entry's word
+    from bit (half_block % 2) * TOKENS). Every partition skips the same steps."""
+    reads = True
+    if MASKS.query:
+        ALL: gl.constexpr = (1 << TOKENS) - 1
+        word = gl.load(query_masks + half_block // 2)
+        reads = ((word >> ((half_block % 2) * TOKENS)) & ALL) != 0
+    return reads
+
+
+@gluon.jit
+def _producer(loads, MODE: gl.constexpr, MASKS: gl.constexpr, PACK: gl.constexpr):
     """One warp: K and V once, then both halves of Q and dO of each query block of the
-    column, PACK heads after PACK heads of the group, into the ring, in the order of the
-    column's aligned walk (_column, walk.py)."""
+    column (those with work: _reads), PACK heads after PACK heads of the group, into the
+    ring, in the order of the column's aligned walk (_column, walk.py)."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
-     q_empty, do_ready, do_empty, walk) = loads  # fmt: skip
+     q_empty, do_ready, do_empty, walk, query_masks) = loads  # fmt: skip
     (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
      stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -152,17 +165,18 @@ def _producer(loads, MODE: gl.constexpr, PACK: gl.constexpr):
         # Two steps per entry: its query block's halves of ROWS rows (ROWS / PACK positions).
         for index in range(2 * start, 2 * end):
             half_block = wrapped(index, 2 * end, 2 * (end - start), 2 * shift)
-            query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
-            stage = step % NUM_STAGES
-            phase = (step // NUM_STAGES) & 1
-            # A fresh barrier counts as having completed the phase before 0.
-            mbarrier.wait(q_empty.index(stage), phase ^ 1)
-            _load_half(q_desc, q_smem.index(stage), q_ready.index(stage), batch, seq_len_q,
-                       query_first, head, PACK)  # fmt: skip
-            mbarrier.wait(do_empty.index(stage), phase ^ 1)
-            _load_half(do_desc, do_smem.index(stage), do_ready.index(stage), batch, seq_len_q,
-                       query_first, head, PACK)  # fmt: skip
-            step += 1
+            if _reads(query_masks, half_block, MASKS, ROWS // PACK):
+                query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
+                stage = step % NUM_STAGES
+                phase = (step // NUM_STAGES) & 1
+                # A fresh barrier counts as having completed the phase before 0.
+                mbarrier.wait(q_empty.index(stage), phase ^ 1)
+                _load_half(q_desc, q_smem.index(stage), q_ready.index(stage), batch, seq_len_q,
+                           query_first, head, PACK)  # fmt: skip
+                mbarrier.wait(do_empty.index(stage), phase ^ 1)
+                _load_half(do_desc, do_smem.index(stage), do_ready.index(stage), batch, seq_len_q,
+                           query_first, head, PACK)  # fmt: skip
+                step += 1
 
 
 @gluon.jit
@@ -206,7 +220,7 @@ def _ptx(value, INSTRUCTIONS: gl.constexpr):
 
 
 @gluon.jit
-def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
+def _dq_writer(writes, MODE: gl.constexpr, MASKS: gl.constexpr, PACK: gl.constexpr):
     """One warp (with MODE.fused; else none of its work): each step, the consumers' dQ tiles
     [QUERY_ROWS, D / 2] fp32 (one each) added into dQ with TMA reduce-adds, then their slots
     freed; PACK > 1, a tile's rows are QUERY_ROWS / PACK positions x PACK heads, added as a
@@ -219,7 +233,8 @@ def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
     and under a causal or banded layout the kv block c + 1 reaches a query block one step
     before c does: in step, the waits are short."""
     if MODE.fused:
-        dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns = writes
+        (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns,
+         query_masks) = writes
         (t_row_offsets, t_col_indices, batch, kv_head, kv_block, group, seq_len_q, seq_len_kv,
          stride_layout, layout_batch_stride, layout_head_divisor) = walk  # fmt: skip
         ROWS: gl.constexpr = dq_smem.type.shape[1]
@@ -229,35 +244,37 @@ def _dq_writer(writes, MODE: gl.constexpr, PACK: gl.constexpr):
             head, start, end, shift = _column(walk, member, MODE, PACK)
             for index in range(2 * start, 2 * end):
                 half_block = wrapped(index, 2 * end, 2 * (end - start), 2 * shift)
-                query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
-                if MODE.ordered:
-                    counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
-                               + query_first // ROWS)  # fmt: skip
-                    turn = gl.load(turns + half_block // 2)
-                    seen = gl.load(counter, volatile=True)
-                    while seen != turn:
+                if _reads(query_masks, half_block, MASKS, ROWS // PACK):
+                    query_first = _query_first(t_col_indices, half_block, ROWS // PACK)
+                    if MODE.ordered:
+                        counter = (counters + (batch * heads_q + head).to(gl.int64) * halves
+                                   + query_first // ROWS)  # fmt: skip
+                        turn = gl.load(turns + half_block // 2)
                         seen = gl.load(counter, volatile=True)
-                    # Acquire: the earlier kv blocks' adds are seen, by the TMA unit too.
-                    _ptx(turn, "fence.acq_rel.gpu; fence.proxy.async.global;")
-                for half in gl.static_range(2):
-                    mbarrier.wait(dq_full.index(half), step & 1)
-                    # PACK > 1: positions from S_q on are dropped
-                    coordinates = half_coordinates(batch * seq_len_q + query_first,
-                                                   head_column(head, 2 * HALF_D, PACK), batch,
-                                                   query_first, half * HALF_D, PACK)  # fmt: skip
-                    _tma_reduce_add(dq_desc, coordinates,
-                                    half_tile(dq_desc, dq_smem.index(half), PACK))  # fmt: skip
-                if MODE.ordered:
-                    # Release once the adds are complete (not only read from shared memory).
-                    _ptx(turn, "cp.async.bulk.wait_group 0; fence.proxy.async.global; "
-                               "fence.acq_rel.gpu;")  # fmt: skip
-                    gl.thread_barrier()
-                    gl.store(counter, turn + 1)
-                else:
-                    tma.store_wait(0)
-                for half in gl.static_range(2):
-                    mbarrier.arrive(dq_empty.index(half))
-                step += 1
+                        while seen != turn:
+                            seen = gl.load(counter, volatile=True)
+                        # Acquire: the earlier kv blocks' adds are seen, by the TMA unit too.
+                        _ptx(turn, "fence.acq_rel.gpu; fence.proxy.async.global;")
+                    for half in gl.static_range(2):
+                        mbarrier.wait(dq_full.index(half), step & 1)
+                        # PACK > 1: positions from S_q on are dropped
+                        coordinates = half_coordinates(
+                            batch * seq_len_q + query_first, head_column(head, 2 * HALF_D, PACK),
+                            batch, query_first, half * HALF_D, PACK,
+                        )  # fmt: skip
+                        _tma_reduce_add(dq_desc, coordinates,
+                                        half_tile(dq_desc, dq_smem.index(half), PACK))  # fmt: skip
+                    if MODE.ordered:
+                        # Release once the adds are complete (not only read from shared memory).
+                        _ptx(turn, "cp.async.bulk.wait_group 0; fence.proxy.async.global; "
+                                   "fence.acq_rel.gpu;")  # fmt: skip
+                        gl.thread_barrier()
+                        gl.store(counter, turn + 1)
+                    else:
+                        tma.store_wait(0)
+                    for half in gl.static_range(2):
+                        mbarrier.arrive(dq_empty.index(half))
+                    step += 1
 
 
 @gluon.jit
@@ -300,84 +317,85 @@ def _consumer(shared, HALF: gl.constexpr, MODE: gl.constexpr, MASKS: gl.constexp
         row_offset = (batch * heads_q + head).to(gl.int64) * seq_len_q
         for index in range(2 * start, 2 * end):
             half_block = wrapped(index, 2 * end, 2 * (end - start), 2 * shift)
-            query_first = _query_first(t_col_indices, half_block, TOKENS)
-            stage = step % NUM_STAGES
-            phase = (step // NUM_STAGES) & 1
-            buffer = step % 2
-            q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
-            do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
-            mbarrier.wait(q_ready.index(stage), phase)
-            s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-            s = warpgroup_mma(q_tile, k_mine.permute((1, 0)), s, use_acc=False,
-                              is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-            dp = warpgroup_mma(do_tile, v_mine.permute((1, 0)), dp, use_acc=False,
-                               is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
-            row_lse = query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
-                                  True, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
-            row_delta = query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
-                                    False, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
-            if MASKS.scores:
-                visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS, PACK)
-                partial = _partial(key_first, visible, KEYS, MASKS)
-            if MASKS.query:  # the entry's word; bit t: position t of its query block
-                words = (query_masks, (half_block % 2) * TOKENS)
-                word, partial = _query_word(words, half_block // 2, partial, ROWS, PACK)
-            s = warpgroup_mma_wait(1, deps=(s,))
-            if MASKS.scores:
-                # key_first through an empty asm: the block's key positions are then built
-                # in the masked path instead of hoisted out of the loop, where they held
-                # registers across it and were spilled (SASS: 17 local loads a step at 8 x 16
-                # with causal and query masks, 2 through the asm).
-                s = _mask_scores(s, partial, _ptx(key_first, ""), visible, 1, MASKS)
-            if MASKS.query:
-                s = _mask_rows(s, partial, word, words, PACK)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 1))  # [QUERY_ROWS, KEYS]
-            # P and dS reach their matmuls with the keys on M (dV = P^T dO, dK = dS^T Q)
-            # from shared memory: queries on M keep lse and delta at two registers a thread.
-            p_mine.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            dv = warpgroup_mma(p_mine.permute((1, 0)), do_tile, dv, is_async=True)
-            dp = warpgroup_mma_wait(1, deps=(dp,))
-            ds = p * (dp - gl.expand_dims(row_delta, 1))  # [QUERY_ROWS, KEYS]
-            # Two buffers of dS, alternating by step: with MODE.fused both warpgroups read
-            # both halves, and a warpgroup rewrites one only after the other has passed the
-            # next step's barrier, so after its matmuls of this one have completed.
-            ds_mine = ds_smem.index(2 * buffer + HALF)  # [QUERY_ROWS, KEYS]
-            ds_mine.store(ds.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            if MODE.fused:
-                # Each warpgroup computes half of dQ's columns over all 128 keys, dS
-                # [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2] (one fp32 tile per query half
-                # and kv tile is added), before dK, whose matmul hides dQ's way out.
-                mbarrier.arrive(ds_ready.index(buffer))
-                mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
-                dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
-                dq = warpgroup_mma(ds_smem.index(2 * buffer), k_upper, dq, use_acc=False,
-                                   is_async=True)  # fmt: skip
-                dq = warpgroup_mma(ds_smem.index(2 * buffer + 1), k_lower, dq,
-                                   is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
-                dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
-                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-                mbarrier.arrive(do_empty.index(stage))
-                # The writer has added this warpgroup's tile of the step before.
-                dq_tile = dq_smem.index(HALF)  # [QUERY_ROWS, D / 2] fp32
-                mbarrier.wait(dq_empty.index(HALF), (step & 1) ^ 1)
-                dq_tile.store(dq * softmax_scale)
+            if _reads(query_masks, half_block, MASKS, TOKENS):
+                query_first = _query_first(t_col_indices, half_block, TOKENS)
+                stage = step % NUM_STAGES
+                phase = (step // NUM_STAGES) & 1
+                buffer = step % 2
+                q_tile = q_smem.index(stage)  # [QUERY_ROWS, D]
+                do_tile = do_smem.index(stage)  # [QUERY_ROWS, D]
+                mbarrier.wait(q_ready.index(stage), phase)
+                s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+                s = warpgroup_mma(q_tile, k_mine.permute((1, 0)), s, use_acc=False,
+                                  is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
+                mbarrier.wait(do_ready.index(stage), phase)
+                dp = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+                dp = warpgroup_mma(do_tile, v_mine.permute((1, 0)), dp, use_acc=False,
+                                   is_async=True)  # fmt: skip  # [QUERY_ROWS, KEYS]
+                row_lse = query_rows(lse, row_offset, query_first, seq_len_q, ROWS, float("inf"),
+                                      True, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
+                row_delta = query_rows(delta, row_offset, query_first, seq_len_q, ROWS, 0.0,
+                                        False, rows, PACK)  # fmt: skip  # [QUERY_ROWS]
+                if MASKS.scores:
+                    visible = _visible_keys(query_first, bounds, ROWS, rows, MASKS, PACK)
+                    partial = _partial(key_first, visible, KEYS, MASKS)
+                if MASKS.query:  # the entry's word; bit t: position t of its query block
+                    words = (query_masks, (half_block % 2) * TOKENS)
+                    word, partial = _query_word(words, half_block // 2, partial, ROWS, PACK)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                if MASKS.scores:
+                    # key_first through an empty asm: the block's key positions are then built
+                    # in the masked path instead of hoisted out of the loop, where they held
+                    # registers across it and were spilled (SASS: 17 local loads a step at 8 x 16
+                    # with causal and query masks, 2 through the asm).
+                    s = _mask_scores(s, partial, _ptx(key_first, ""), visible, 1, MASKS)
+                if MASKS.query:
+                    s = _mask_rows(s, partial, word, words, PACK)
+                p = gl.exp2(s * qk_scale - gl.expand_dims(row_lse, 1))  # [QUERY_ROWS, KEYS]
+                # P and dS reach their matmuls with the keys on M (dV = P^T dO, dK = dS^T Q)
+                # from shared memory: queries on M keep lse and delta at two registers a thread.
+                p_mine.store(p.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()
-                mbarrier.arrive(dq_full.index(HALF))
-                dk = warpgroup_mma_wait(0, deps=(dk,))
-                mbarrier.arrive(q_empty.index(stage))
-            else:
-                dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(q_empty.index(stage))
-                mbarrier.arrive(do_empty.index(stage))
-            step += 1
+                dv = warpgroup_mma(p_mine.permute((1, 0)), do_tile, dv, is_async=True)
+                dp = warpgroup_mma_wait(1, deps=(dp,))
+                ds = p * (dp - gl.expand_dims(row_delta, 1))  # [QUERY_ROWS, KEYS]
+                # Two buffers of dS, alternating by step: with MODE.fused both warpgroups read
+                # both halves, and a warpgroup rewrites one only after the other has passed the
+                # next step's barrier, so after its matmuls of this one have completed.
+                ds_mine = ds_smem.index(2 * buffer + HALF)  # [QUERY_ROWS, KEYS]
+                ds_mine.store(ds.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                if MODE.fused:
+                    # Each warpgroup computes half of dQ's columns over all 128 keys, dS
+                    # [QUERY_ROWS, 2 * KEYS] K [2 * KEYS, D / 2] (one fp32 tile per query half
+                    # and kv tile is added), before dK, whose matmul hides dQ's way out.
+                    mbarrier.arrive(ds_ready.index(buffer))
+                    mbarrier.wait(ds_ready.index(buffer), (step // 2) & 1)
+                    dq = gl.zeros([ROWS, HALF_D], gl.float32, dq_layout)
+                    dq = warpgroup_mma(ds_smem.index(2 * buffer), k_upper, dq, use_acc=False,
+                                       is_async=True)  # fmt: skip
+                    dq = warpgroup_mma(ds_smem.index(2 * buffer + 1), k_lower, dq,
+                                       is_async=True)  # fmt: skip  # [QUERY_ROWS, D / 2]
+                    dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
+                    dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+                    mbarrier.arrive(do_empty.index(stage))
+                    # The writer has added this warpgroup's tile of the step before.
+                    dq_tile = dq_smem.index(HALF)  # [QUERY_ROWS, D / 2] fp32
+                    mbarrier.wait(dq_empty.index(HALF), (step & 1) ^ 1)
+                    dq_tile.store(dq * softmax_scale)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(dq_full.index(HALF))
+                    dk = warpgroup_mma_wait(0, deps=(dk,))
+                    mbarrier.arrive(q_empty.index(stage))
+                else:
+                    dk = warpgroup_mma(ds_mine.permute((1, 0)), q_tile, dk, is_async=True)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(q_empty.index(stage))
+                    mbarrier.arrive(do_empty.index(stage))
+                step += 1
 
     if MODE.fused:
         # The other warpgroup's dQ matmuls read these K rows too: wait until they are done.
@@ -490,13 +508,14 @@ def _backward_kernel(
               dq_empty, dk_desc, dv_desc, kv_ready, q_ready, q_empty, do_ready, do_empty, lse,
               delta, walk, heads_q, qk_scale, softmax_scale, bounds, tail,
               query_masks)  # fmt: skip
-    writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns)
+    writes = (dq_desc, dq_smem, dq_full, dq_empty, walk, heads_q, counters, halves, turns,
+              query_masks)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-             q_ready, q_empty, do_ready, do_empty, walk)  # fmt: skip
+             q_ready, q_empty, do_ready, do_empty, walk, query_masks)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (shared, UPPER, MODE, MASKS, PACK)),
-         (_consumer, (shared, LOWER, MODE, MASKS, PACK)), (_producer, (loads, MODE, PACK)),
-         (_dq_writer, (writes, MODE, PACK))],
+         (_consumer, (shared, LOWER, MODE, MASKS, PACK)),
+         (_producer, (loads, MODE, MASKS, PACK)), (_dq_writer, (writes, MODE, MASKS, PACK))],
         [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
     )  # fmt: skip
