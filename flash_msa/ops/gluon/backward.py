@@ -130,7 +130,9 @@ def _query_first(t_col_indices, half_block, TOKENS: gl.constexpr):
 def _reads(query_masks, half_block, MASKS: gl.constexpr, TOKENS: gl.constexpr):
     """Whether step `half_block` of a column has work: always without query masks; with
     them, where one of its TOKENS positions reads the kv block (a bit of the entry's word
-    from bit (half_block % 2) * TOKENS). Every partition skips the same steps."""
+    from bit (half_block % 2) * TOKENS). Every partition skips the same steps. Query masks
+    hold at most 64 positions a block, so they come with packed heads, which the ordered
+    mode does not take (attention_backward refuses it): no ordered walk skips a turn."""
     reads = True
     if MASKS.query:
         ALL: gl.constexpr = (1 << TOKENS) - 1
