@@ -22,6 +22,7 @@ its main attention used.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -36,8 +37,7 @@ from flash_msa.ops.interface import (
     check_query_masks,
     check_softmax_scale,
 )
-from flash_msa.ops.registry import QueryMasks
-from flash_msa.ops.triton.common import query_mask_arguments, strides
+from flash_msa.ops.triton.common import strides
 from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
@@ -170,28 +170,34 @@ def _online_lse(running_max, running_sum, logits):
 @triton.jit
 def _kl_rows_kernel(
     q_proxy, k_proxy, q, k, lse, documents, q_blocks, row_offsets, col_indices, query_masks,
-    grad_scale, lse_proxy, kl_rows, grad_q_proxy,
+    grad_scale, lse_proxy, kl_rows, grad_q_proxy, grad_tiles,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
     stride_lse_b, stride_lse_h, stride_doc_b,
-    seq_len, seq_len_q, heads_proxy, proxy_group, kv_group, group, layout_batch_stride,
-    heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
+    seq_len, seq_len_q, heads_proxy, proxy_group, kv_group, group, heads_per_layout,
+    num_q_blocks, proxy_scale, qk_scale_log2, layout_row, block_start, entry_start,
+    chunk_entries, batch_base, head_base,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
     PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
     GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query block, batch x proxy head), walking its CSR row; writes kl_rows
-    and lse_proxy [B, H_p, S_q]. With GRAD also grad_q_proxy = d kl_loss / d q_proxy
-    [B, S_q, H_p, D_p] times grad_scale (d kl_loss / d kl(i, p): 1 / N or 1): a first walk
-    over the student alone finds lse_proxy, the second recomputes the teacher once for the
-    loss and the gradient. seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS
-    only: else both are S). HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with
-    col_indices) keep, per block, the rows whose bit is set."""
-    block = tl.program_id(0)
-    batch = tl.program_id(1) // heads_proxy
-    head = tl.program_id(1) % heads_proxy
+    """One program per (query block, copy) of a chunk (see _chunks): query block
+    block_start + program_id(0) of layout row layout_row, read by copy program_id(1) (batch
+    batch_base + copy // heads_per_layout, proxy head head_base + copy % heads_per_layout);
+    walks its CSR row and writes kl_rows and lse_proxy [B, H_p, S_q]. With GRAD also
+    grad_q_proxy = d kl_loss / d q_proxy [B, S_q, H_p, D_p] times grad_scale (d kl_loss /
+    d kl(i, p): 1 / N or 1), and per entry e its tile of d kl_loss / d z, (s - t) grad_scale
+    [KV_BLOCK keys, Q_BLOCK rows], at tile copy * chunk_entries + e - entry_start of
+    grad_tiles (the dk_proxy kernel's input): a first walk over the student alone finds
+    lse_proxy, the second recomputes the teacher once for the loss and both gradients.
+    seq_len counts keys, seq_len_q queries (read with HAS_Q_BLOCKS only: else both are S).
+    HAS_QUERY_MASKS: query_masks (int64 [nnz], aligned with col_indices) keep, per block, the
+    rows whose bit is set."""
+    block = block_start + tl.program_id(0)
+    batch = batch_base + tl.program_id(1) // heads_per_layout
+    head = head_base + tl.program_id(1) % heads_per_layout
     query_len = seq_len
     if HAS_Q_BLOCKS:
         query_len = seq_len_q
@@ -205,7 +211,6 @@ def _kl_rows_kernel(
     q_group = q + batch * stride_q_b + head * group * stride_q_h
     lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
     row_stats = batch * heads_proxy * query_len + head * query_len + rows  # into [B, H_p, S_q]
-    layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start, end = tl.load(row), tl.load(row + 1)
     running_max = tl.full((Q_BLOCK,), float("-inf"), tl.float32)
@@ -241,6 +246,9 @@ def _kl_rows_kernel(
         if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
             grad_logits = ((student - teacher) * coefficient).to(kp_tile.dtype)  # [M, N]
+            tile = (tl.program_id(1) * chunk_entries + entry - entry_start).to(tl.int64)
+            tl.store(grad_tiles + tile * (KV_BLOCK * Q_BLOCK) + tl.arange(0, Q_BLOCK)[:, None]
+                     + tl.arange(0, KV_BLOCK)[None, :] * Q_BLOCK, grad_logits)  # fmt: skip
             if Q_BLOCK > 1:
                 grad_q = tl.dot(grad_logits, kp_tile, grad_q, input_precision=DOT_PRECISION)
             else:  # a query block of one token: [1, N] x [N, D_p] as a broadcast sum
@@ -267,82 +275,50 @@ def _kl_rows_kernel(
 
 @triton.jit
 def _kl_dk_proxy_kernel(
-    q_proxy, k_proxy, q, k, lse, documents, q_blocks, t_row_offsets, t_col_indices, query_masks,
-    lse_proxy, grad_scale, grad_k_proxy,
-    stride_qp_b, stride_qp_s, stride_qp_h, stride_kp_b, stride_kp_s, stride_kp_h,
-    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
-    stride_lse_b, stride_lse_h, stride_doc_b,
-    seq_len, seq_len_q, heads_proxy, heads_proxy_keys, proxy_group, kv_group, group,
-    layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PROXY_DIM: tl.constexpr,
-    PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    GROUP_PAD: tl.constexpr, ENTRIES: tl.constexpr,
-    HAS_DOCUMENTS: tl.constexpr, HAS_Q_BLOCKS: tl.constexpr, HAS_QUERY_MASKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices, t_entries,
+    stride_qp_b, stride_qp_s, stride_qp_h, stride_gk_b, stride_gk_s, stride_gk_h,
+    query_len, seq_len, num_kv_blocks, layout_row, entry_start, chunk_entries, batch_base,
+    head, copy_head, heads_per_layout, key_head,
+    PROXY_DIM: tl.constexpr, PROXY_DIM_PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr, ENTRIES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (kv block, batch x proxy key head): for each proxy head reading that
-    key head, walks the query blocks that selected the kv block, ENTRIES of them at a time,
-    their rows gathered into one [KV_BLOCK, ENTRIES * Q_BLOCK] tile (keys as rows: the
-    gradient is the tile times q_proxy, no transpose, a wgmma of 128 rows); writes d kl_loss /
-    d k_proxy [B, S, H_pk, D_p]. No atomics: every program owns its output tile. Lengths as
-    in _kl_rows_kernel; query_masks are the words in the transposed layout's order (aligned
-    with t_col_indices)."""
+    """One program per (kv block, batch of the chunk) for proxy head `head` of a chunk of
+    layout row layout_row (see _chunks): adds to grad_k_proxy (fp32 [B, S, H_pk, D_p], key
+    head key_head) the tiles of d kl_loss / d z that the rows kernel wrote for the entries of
+    the transposed column that lie in the chunk, times their query rows of q_proxy: ENTRIES
+    query blocks a step, their rows gathered into one [KV_BLOCK, ENTRIES * Q_BLOCK] tile
+    (keys as rows: the gradient is the tile times q_proxy, no transpose). t_entries: each
+    transposed entry's entry of col_indices (BlockLayout.transpose_entries). Programs own
+    their rows and launches of one key head run one after another: no atomics."""
     block = tl.program_id(0)
-    batch = tl.program_id(1) // heads_proxy_keys
-    key_head = tl.program_id(1) % heads_proxy_keys
-    query_len = seq_len
-    if HAS_Q_BLOCKS:
-        query_len = seq_len_q
-    cols = block * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-    documents += batch * stride_doc_b
-    kp_base = k_proxy + batch * stride_kp_b + key_head * stride_kp_h
-    kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
-    coefficient = tl.load(grad_scale)
+    batch = batch_base + tl.program_id(1)
+    copy = tl.program_id(1) * heads_per_layout + copy_head
+    column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
+    first, last = tl.load(column), tl.load(column + 1)
+    slots = tl.arange(0, ENTRIES * Q_BLOCK)  # [M]: rows of the gathered tile
+    offsets = slots % Q_BLOCK  # [M]: each row's offset in its query block
+    keys = tl.arange(0, KV_BLOCK)  # [N]
+    qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
     grad_k = tl.zeros((KV_BLOCK, PROXY_DIM_PAD), tl.float32)
-    for head in range(key_head * proxy_group, (key_head + 1) * proxy_group):
-        qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
-        k_tile = _load_rows(k + batch * stride_k_b + (head // kv_group) * stride_k_h, cols,
-                            stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)  # fmt: skip
-        q_group = q + batch * stride_q_b + head * group * stride_q_h
-        lse_group = lse + batch * stride_lse_b + head * group * stride_lse_h
-        layout_row = batch * layout_batch_stride + head // heads_per_layout
-        column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
-        first, last = tl.load(column), tl.load(column + 1)
-        slots = tl.arange(0, ENTRIES * Q_BLOCK)  # [M]: rows of the gathered tile
-        offsets = slots % Q_BLOCK  # [M]: each row's offset in its query block
-        for entry in range(first, last, ENTRIES):
-            entries = entry + slots // Q_BLOCK  # [M]
-            live = entries < last
-            q_block = tl.load(t_col_indices + entries, mask=live, other=0)  # [M]
-            rows = q_block * Q_BLOCK + offsets  # [M]
-            positions = rows
-            if HAS_Q_BLOCKS:
-                positions = tl.load(q_blocks + q_block, mask=live, other=0) * Q_BLOCK + offsets
-            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS, True)
-            visible &= live[None, :]
-            if HAS_QUERY_MASKS:
-                words = tl.load(query_masks + entries, mask=live, other=0)  # [M]
-                visible &= (((words >> offsets.to(tl.int64)) & 1) != 0)[None, :]
-            qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
-            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, True)
-            teacher = _teacher(
-                q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
-                query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, False, GROUP_PAD,
-                DOT_PRECISION, True,
-            )  # fmt: skip
-            row_stats = batch * heads_proxy * query_len + head * query_len + rows
-            lse_p = tl.load(lse_proxy + row_stats, mask=rows < query_len, other=0.0)  # [M]
-            # Rows of a gathered tile past the column's end, and rows that see no key (lse
-            # -inf, with query masks), read no key: their student is 0, not exp(-inf - -inf).
-            student = tl.where(visible, tl.exp(logits - lse_p[None, :]), 0.0)
-            grad_logits = (student - teacher) * coefficient  # [N, M]
-            grad_k = tl.dot(grad_logits.to(qp_tile.dtype), qp_tile, grad_k,
-                            input_precision=DOT_PRECISION)  # fmt: skip
-    dims = tl.arange(0, PROXY_DIM_PAD)
-    pointers = (grad_k_proxy + batch * stride_kp_b + key_head * stride_kp_h
-                + cols.to(tl.int64)[:, None] * stride_kp_s + dims[None, :])  # fmt: skip
-    tl.store(pointers, (grad_k * proxy_scale).to(grad_k_proxy.dtype.element_ty),
-             mask=(cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM))  # fmt: skip
+    taken_rows = 0
+    for entry in range(first, last, ENTRIES):
+        entries = entry + slots // Q_BLOCK  # [M]
+        tile = tl.load(t_entries + entries, mask=entries < last, other=-1) - entry_start
+        taken = (tile >= 0) & (tile < chunk_entries)  # [M]: the chunk's entries
+        rows = tl.load(t_col_indices + entries, mask=taken, other=0) * Q_BLOCK + offsets
+        tiles = grad_tiles + (copy * chunk_entries + tile) * (KV_BLOCK * Q_BLOCK) + offsets
+        grad_z = tl.load(tiles[None, :] + keys[:, None] * Q_BLOCK, mask=taken[None, :],
+                         other=0.0)  # fmt: skip  # [N, M]
+        qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
+        grad_k = tl.dot(grad_z, qp_tile, grad_k, input_precision=DOT_PRECISION)
+        taken_rows += tl.sum(taken.to(tl.int32), axis=0)
+    if taken_rows > 0:
+        dims = tl.arange(0, PROXY_DIM_PAD)
+        cols = block * KV_BLOCK + keys
+        pointers = (grad_k_proxy + batch * stride_gk_b + key_head * stride_gk_h
+                    + cols.to(tl.int64)[:, None] * stride_gk_s + dims[None, :])  # fmt: skip
+        mask = (cols[:, None] < seq_len) & (dims[None, :] < PROXY_DIM)
+        tl.store(pointers, tl.load(pointers, mask=mask) + grad_k, mask=mask)
 
 
 def dk_proxy_entries(q_block: int) -> int:
@@ -379,8 +355,8 @@ def _launch(kernel, grid, stages: int, arguments: dict) -> None:
     buffers fit the device's shared memory (at D 256, or with fp32 inputs, 3 stages of 64-row
     tiles need more than an H200's 227 KiB); the count found is kept per kernel, tile sizes,
     dtype and device, so later calls launch at once."""
-    key = (kernel.fn.__name__, stages, arguments["q"].dtype, arguments["q"].device,
-           *(arguments[name] for name in ("Q_BLOCK", "HEAD_DIM_PAD", "PROXY_DIM_PAD")))  # fmt: skip
+    key = (kernel.fn.__name__, stages, arguments["q_proxy"].dtype, arguments["q_proxy"].device,
+           *(value for name, value in sorted(arguments.items()) if name.isupper()))  # fmt: skip
     for count in range(_STAGES_THAT_FIT.get(key, stages), 0, -1):
         try:
             kernel[grid](num_stages=count, **arguments)
@@ -409,7 +385,6 @@ def _kernel_arguments(
         seq_len=k.shape[1], seq_len_q=seq_len_q, heads_proxy=heads_proxy,
         proxy_group=heads_proxy // k_proxy.shape[2],
         kv_group=heads_proxy // heads_kv, group=heads_q // heads_proxy,
-        layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, proxy_scale=proxy_scale,
         qk_scale_log2=softmax_scale * _env.LOG2_E, HEAD_DIM=dim,
         HEAD_DIM_PAD=_env.head_dim_pad(dim), PROXY_DIM=proxy_dim,
@@ -427,6 +402,41 @@ def _divisor(reduction: str, terms: int) -> int:
     return max(terms, 1) if reduction == "mean" else 1
 
 
+GRAD_TILE_BYTES = 1 << 30  # the most memory the tiles of d kl_loss / d z take at once
+
+
+def _chunks(layout: BlockLayout, row_offsets: torch.Tensor, batch: int, heads_proxy: int,
+            tile_bytes: int | None):  # fmt: skip
+    """The KL's launches: (layout row, first and end query block, first and end entry,
+    first batch, batches, first proxy head) per chunk of a layout row's query blocks, read by
+    batches x H_p / layout_heads copies (the (batch, proxy head) pairs sharing the row).
+    Without tile_bytes a chunk is a whole row (its entries are not read: 0, 0); with it
+    (bytes of one entry's gradient tile) a chunk's tiles, for all its copies, take at most
+    GRAD_TILE_BYTES, or one query block's where one takes more (row_offsets read once on the
+    host); none for a batch of 0."""
+    if batch == 0:
+        return
+    num_q_blocks, per_layout = layout.num_q_blocks, heads_proxy // layout.layout_heads
+    batches = batch if layout.layout_batch == 1 else 1
+    offsets = None
+    if tile_bytes is not None:
+        offsets = row_offsets.view(-1, num_q_blocks + 1).cpu().numpy()
+        most = max(1, GRAD_TILE_BYTES // (batches * per_layout * tile_bytes))
+    for row in range(layout.num_layouts):
+        first_batch = 0 if layout.layout_batch == 1 else row // layout.layout_heads
+        rows = (first_batch, batches, (row % layout.layout_heads) * per_layout)
+        if offsets is None:
+            yield row, 0, num_q_blocks, 0, 0, *rows
+            continue
+        row_offsets_host, block = offsets[row], 0
+        while block < num_q_blocks:
+            end = int(np.searchsorted(row_offsets_host, row_offsets_host[block] + most, "right"))
+            end = min(max(end - 1, block + 1), num_q_blocks)
+            yield (row, block, end, int(row_offsets_host[block]), int(row_offsets_host[end]),
+                   *rows)  # fmt: skip
+            block = end
+
+
 @torch.library.custom_op("flash_msa::proxy_kl_forward", mutates_args=())
 @_env.on_tensor_device
 def _kl_forward(
@@ -438,7 +448,7 @@ def _kl_forward(
     documents: torch.Tensor | None,
     q_blocks: torch.Tensor | None,
     query_masks: torch.Tensor | None,
-    t_query_masks: torch.Tensor | None,
+    t_entries: torch.Tensor,
     row_offsets: torch.Tensor,
     col_indices: torch.Tensor,
     t_row_offsets: torch.Tensor,
@@ -448,36 +458,88 @@ def _kl_forward(
     softmax_scale: float,
     reduction: str,
     with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S_q], d kl_loss / d q_proxy like q_proxy
-    with with_grad, else empty): the q_proxy gradient comes from the forward's own walk."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kl_loss fp32 [], lse_proxy fp32 [B, H_p, S_q], and with with_grad d kl_loss /
+    d q_proxy and d kl_loss / d k_proxy, like q_proxy and k_proxy, else empty): both gradients
+    come from the forward's own walk, which writes each entry's d kl_loss / d z tile for the
+    dk_proxy kernel, a chunk of query blocks at a time (_chunks)."""
     layout = BlockLayout.from_op_arguments(
         row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
     )
     arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
-    batch, seq_len, heads_proxy, _ = q_proxy.shape
+    batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
     lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
     kl_rows = torch.empty_like(lse_proxy)
     grad_q_proxy = torch.empty_like(q_proxy) if with_grad else q_proxy.new_empty(0)
+    grad_k_proxy = torch.zeros_like(k_proxy, dtype=torch.float32) if with_grad else None
     divisor = _divisor(reduction, kl_rows.numel())
     grad_scale = lse.new_full((1,), 1 / divisor)  # d kl_loss / d kl(i, p)
-    if kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block, documents is not None,
-                         q_blocks is not None):  # fmt: skip
-        outputs = (lse_proxy, kl_rows, grad_q_proxy if with_grad else None)
-        kl_gluon.kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks,
-                         layout, grad_scale, outputs, proxy_softmax_scale,
-                         softmax_scale)  # fmt: skip
-        return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
-    masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
-    _launch(_kl_rows_kernel, (layout.num_q_blocks, batch * heads_proxy),
-            num_stages("rows", layout.q_block), dict(
-        row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
-        lse_proxy=lse_proxy, kl_rows=kl_rows, grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
-        num_q_blocks=layout.num_q_blocks, **query_mask_arguments(masks, "csr", lse),
-        GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **arguments,
-    ))  # fmt: skip
-    return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy
+    tile_size = layout.q_block * layout.kv_block
+    chunks = list(_chunks(layout, row_offsets, batch, heads_proxy,
+                          tile_size * q_proxy.element_size() if with_grad else None))
+    per_layout = heads_proxy // layout.layout_heads
+    # The largest chunk's tiles (one unread tile without the gradient: TMA needs a view).
+    tiles = [batches * per_layout * (end - start) for _, _, _, start, end, _, batches, _ in chunks]
+    grad_tiles = q_proxy.new_empty(max([1, *tiles]) * tile_size if with_grad else tile_size)
+    gluon_kernels = kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block,
+                                      documents is not None, q_blocks is not None)  # fmt: skip
+    for row, block, end_block, start, end, first_batch, batches, first_head in chunks:
+        chunk = dict(layout_row=row, block_start=block, entry_start=start,
+                     chunk_entries=end - start, batch_base=first_batch, head_base=first_head)
+        grid = (end_block - block, batches * per_layout)
+        if gluon_kernels:
+            kl_gluon.kl_rows(
+                q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, layout,
+                grad_scale, (lse_proxy, kl_rows, grad_q_proxy if with_grad else None, grad_tiles),
+                proxy_softmax_scale, softmax_scale, grid, chunk,
+            )  # fmt: skip
+        else:
+            _launch(_kl_rows_kernel, grid, num_stages("rows", layout.q_block), dict(
+                row_offsets=row_offsets, col_indices=col_indices, grad_scale=grad_scale,
+                lse_proxy=lse_proxy, kl_rows=kl_rows,
+                grad_q_proxy=grad_q_proxy if with_grad else q_proxy, grad_tiles=grad_tiles,
+                num_q_blocks=layout.num_q_blocks,
+                query_masks=lse if query_masks is None else query_masks,
+                HAS_QUERY_MASKS=query_masks is not None,
+                GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **chunk,
+                **arguments,
+            ))  # fmt: skip
+        if with_grad:
+            _chunk_dk_proxy(grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices,
+                            t_entries, layout, chunk, batches, per_layout)  # fmt: skip
+    if with_grad:
+        grad_k_proxy = (grad_k_proxy * proxy_softmax_scale).to(k_proxy.dtype)
+    else:
+        grad_k_proxy = k_proxy.new_empty(0)
+    return kl_rows.sum() / divisor, lse_proxy, grad_q_proxy, grad_k_proxy
+
+
+def _chunk_dk_proxy(grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices,
+                    t_entries, layout: BlockLayout, chunk: dict, batches: int,
+                    per_layout: int) -> None:  # fmt: skip
+    """Add a chunk's tiles times their q_proxy rows to grad_k_proxy (fp32, unscaled): a
+    launch per proxy head of the chunk's layout row, one after another (heads may share a
+    key head)."""
+    heads_proxy, heads_keys = q_proxy.shape[2], grad_k_proxy.shape[2]
+    for copy_head in range(per_layout):
+        head = chunk["head_base"] + copy_head
+        _launch(_kl_dk_proxy_kernel, (layout.num_kv_blocks, batches),
+                num_stages("dk_proxy", layout.q_block), dict(
+            grad_tiles=grad_tiles, q_proxy=q_proxy, grad_k_proxy=grad_k_proxy,
+            t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, t_entries=t_entries,
+            **strides("qp", q_proxy), **strides("gk", grad_k_proxy),
+            query_len=q_proxy.shape[1], seq_len=grad_k_proxy.shape[1],
+            num_kv_blocks=layout.num_kv_blocks, layout_row=chunk["layout_row"],
+            entry_start=chunk["entry_start"], chunk_entries=chunk["chunk_entries"],
+            batch_base=chunk["batch_base"], head=head, copy_head=copy_head,
+            heads_per_layout=per_layout, key_head=head // (heads_proxy // heads_keys),
+            PROXY_DIM=q_proxy.shape[3], PROXY_DIM_PAD=_env.head_dim_pad(q_proxy.shape[3]),
+            Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,
+            ENTRIES=dk_proxy_entries(layout.q_block),
+            DOT_PRECISION=_env.dot_precision(q_proxy.dtype),
+            num_warps=num_warps("dk_proxy", layout.q_block),
+        ))  # fmt: skip
 
 
 @_kl_forward.register_fake
@@ -487,86 +549,20 @@ def _(q_proxy, k_proxy, q, k, lse, *rest):
     return (
         lse.new_empty(()), lse.new_empty(batch, heads_proxy, seq_len),
         torch.empty_like(q_proxy) if with_grad else q_proxy.new_empty(0),
+        torch.empty_like(k_proxy) if with_grad else k_proxy.new_empty(0),
     )  # fmt: skip
 
 
-@torch.library.custom_op("flash_msa::proxy_kl_backward", mutates_args=())
-@_env.on_tensor_device
-def _kl_backward(
-    grad_loss: torch.Tensor,
-    q_proxy: torch.Tensor,
-    k_proxy: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: torch.Tensor,
-    documents: torch.Tensor | None,
-    q_blocks: torch.Tensor | None,
-    query_masks: torch.Tensor | None,
-    t_query_masks: torch.Tensor | None,
-    lse_proxy: torch.Tensor,
-    row_offsets: torch.Tensor,
-    col_indices: torch.Tensor,
-    t_row_offsets: torch.Tensor,
-    t_col_indices: torch.Tensor,
-    sizes: list[int],
-    proxy_softmax_scale: float,
-    softmax_scale: float,
-    reduction: str,
-) -> torch.Tensor:
-    """d loss / d k_proxy, from d loss / d kl_loss."""
-    layout = BlockLayout.from_op_arguments(
-        row_offsets, col_indices, t_row_offsets, t_col_indices, sizes
-    )
-    divisor = _divisor(reduction, lse_proxy.numel())
-    grad_scale = (grad_loss / divisor).float().reshape(1)  # no host sync
-    grad_k_proxy = torch.empty_like(k_proxy)
-    if kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block, documents is not None,
-                         q_blocks is not None):  # fmt: skip
-        kl_gluon.kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets,
-                             t_col_indices, t_query_masks, layout, grad_scale, grad_k_proxy,
-                             proxy_softmax_scale, softmax_scale)  # fmt: skip
-        return grad_k_proxy
-    arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
-                                  (proxy_softmax_scale, softmax_scale))  # fmt: skip
-    batch, heads_proxy_keys = q_proxy.shape[0], k_proxy.shape[2]
-    masks = None if query_masks is None else QueryMasks(query_masks, t_query_masks)
-    _launch(_kl_dk_proxy_kernel, (layout.num_kv_blocks, batch * heads_proxy_keys),
-            num_stages("dk_proxy", layout.q_block), dict(
-        ENTRIES=dk_proxy_entries(layout.q_block), t_row_offsets=t_row_offsets,
-        t_col_indices=t_col_indices,
-        lse_proxy=lse_proxy, grad_scale=grad_scale, grad_k_proxy=grad_k_proxy,
-        heads_proxy_keys=heads_proxy_keys, num_kv_blocks=layout.num_kv_blocks,
-        **query_mask_arguments(masks, "csc", lse), num_warps=num_warps("dk_proxy", layout.q_block),
-        **arguments,
-    ))  # fmt: skip
-    return grad_k_proxy
-
-
-@_kl_backward.register_fake
-def _(grad_loss, q_proxy, k_proxy, *rest):
-    return torch.empty_like(k_proxy)
-
-
 def _setup_context(ctx, inputs, output):
-    (q_proxy, k_proxy, q, k, lse, documents, q_blocks, query_masks, t_query_masks, row_offsets,
-     col_indices, t_row_offsets, t_col_indices, sizes, proxy_softmax_scale, softmax_scale,
-     reduction, with_grad) = inputs  # fmt: skip
-    ctx.save_for_backward(q_proxy, k_proxy, q, k, lse, documents, q_blocks, query_masks,
-                          t_query_masks, output[1], row_offsets, col_indices, t_row_offsets,
-                          t_col_indices, output[2])  # fmt: skip
-    ctx.options = dict(sizes=sizes, proxy_softmax_scale=proxy_softmax_scale,
-                       softmax_scale=softmax_scale, reduction=reduction)  # fmt: skip
-    ctx.with_grad = with_grad
-    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(output[2], output[3])
+    ctx.mark_non_differentiable(output[1], output[2], output[3])
 
 
-def _autograd_backward(ctx, grad_loss, _grad_lse_proxy, _grad_grad_q_proxy):
-    *saved, grad_q_unit = ctx.saved_tensors
-    grad_q_proxy = grad_q_unit * grad_loss if ctx.with_grad else None
-    grad_k_proxy = None
-    if ctx.needs_input_grad[1]:
-        grad_k_proxy = _kl_backward(grad_loss, *saved, **ctx.options)
-    return (grad_q_proxy, grad_k_proxy) + (None,) * 16
+def _autograd_backward(ctx, grad_loss, _grad_lse_proxy, _grad_grad_q_proxy, _grad_grad_k_proxy):
+    needs_q, needs_k = ctx.needs_input_grad[:2]
+    grad_q_unit, grad_k_unit = ctx.saved_tensors
+    return (grad_q_unit * grad_loss if needs_q else None,
+            grad_k_unit * grad_loss if needs_k else None) + (None,) * 16  # fmt: skip
 
 
 _kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -684,18 +680,17 @@ def checked_kl_loss(
         check_query_blocks(q_blocks, seq_len_q=lengths[0], seq_len=lengths[1],
                            q_block=layout.q_block, device=q_proxy.device)  # fmt: skip
         q_blocks = q_blocks.to(torch.int32).contiguous()
-    t_query_masks = None
     if query_masks is not None:
         check_query_masks(query_masks, layout, q_proxy.device)
-        t_query_masks = query_masks[layout.transpose_entries()]
     q_proxy, k_proxy = q_proxy.contiguous(), k_proxy.contiguous()
     q, k, lse = (tensor.detach().contiguous() for tensor in (q, k, lse))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
-    loss, _, _ = _kl_forward(
-        q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, query_masks, t_query_masks,
-        **layout.op_arguments(),
+    loss, _, _, _ = _kl_forward(
+        q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, query_masks,
+        layout.transpose_entries(), **layout.op_arguments(),
         proxy_softmax_scale=proxy_softmax_scale, softmax_scale=softmax_scale,
-        reduction=reduction, with_grad=torch.is_grad_enabled() and q_proxy.requires_grad,
+        reduction=reduction,
+        with_grad=torch.is_grad_enabled() and (q_proxy.requires_grad or k_proxy.requires_grad),
     )  # fmt: skip
     return loss

@@ -208,29 +208,19 @@ def _student(kp_keys, qp_smem, acc, is_async: gl.constexpr):
 
 
 @gluon.jit
-def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, HALF: gl.constexpr,
-                 KEYS_IN_RING: gl.constexpr):  # fmt: skip
+def _issue_chunk(step, first_walk, k_smem, q_smem, ready, acc, HALF: gl.constexpr):
     """The async product S [64 keys, 64] of the walk's step `step`: the consumer's keys of
-    entry step // CHUNKS against chunk step % CHUNKS of its queries, into acc's registers (its
-    values are not read); at an entry's first chunk, once the entry's slot has landed.
-    KEYS_IN_RING (the rows kernel): the ring holds each entry's K tile, q_smem the program's
-    CHUNKS query chunks; else (dk_proxy) k_smem is the program's K tile and the ring holds
-    each entry's CHUNKS query chunks."""
+    entry step // CHUNKS (its K tile in the ring) against the program's query chunk
+    step % CHUNKS, into acc's registers (its values are not read); at an entry's first chunk,
+    once the entry's slot has landed."""
     NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    if KEYS_IN_RING:
-        CHUNKS: gl.constexpr = q_smem.type.shape[0]
-    else:
-        CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
+    CHUNKS: gl.constexpr = q_smem.type.shape[0]
     position = first_walk + step // CHUNKS
     stage = position % NUM_STAGES
     if step % CHUNKS == 0:
         mbarrier.wait(ready.index(stage), (position // NUM_STAGES) & 1)
-    if KEYS_IN_RING:
-        keys = k_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D]
-        queries = q_smem.index(step % CHUNKS)  # [64, D]
-    else:
-        keys = k_smem.slice(HALF * HALF_N, HALF_N)
-        queries = q_smem.index(stage * CHUNKS + step % CHUNKS)
+    keys = k_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D]
+    queries = q_smem.index(step % CHUNKS)  # [64, D]
     return warpgroup_mma(keys, queries.permute((1, 0)), acc, use_acc=False, is_async=True)
 
 
@@ -248,62 +238,62 @@ def _chunk_teacher(s, chunk, lse_smem, qk_scale_log2, t_layout: gl.constexpr):
 
 
 @gluon.jit
-def _start_walk(first_walk, k_smem, q_smem, ready, t_layout: gl.constexpr, HALF: gl.constexpr,
-                KEYS_IN_RING: gl.constexpr):  # fmt: skip
+def _start_walk(first_walk, k_smem, q_smem, ready, t_layout: gl.constexpr, HALF: gl.constexpr):
     """_teacher_pair's products before a walk's first pair: step 0's S issued, the other
     tiles zeros (the student's logits and the teacher [64 keys, TOKENS] in t_layout)."""
     TOKENS: gl.constexpr = t_layout.instr_shape[1]
     CHUNK_ROWS: gl.constexpr = q_smem.type.shape[1]  # CHUNK_HEADS x TOKENS
     s_layout: gl.constexpr = mma_layout(CHUNK_ROWS, k_smem.dtype)  # [64 keys, CHUNK_ROWS]
     spare = gl.zeros([HALF_N, CHUNK_ROWS], gl.float32, s_layout)
-    even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF, KEYS_IN_RING)
+    even = _issue_chunk(0, first_walk, k_smem, q_smem, ready, spare, HALF)
     zeros = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
     return even, spare, zeros, zeros
 
 
 @gluon.jit
-def _teacher_pair(pair, steps, first_walk, tiles, products, lse_first, qk_scale_log2,
-                  HALF: gl.constexpr, KEYS_IN_RING: gl.constexpr):  # fmt: skip
+def _teacher_pair(pair, steps, first_walk, tiles, products, qk_scale_log2, HALF: gl.constexpr):
     """Steps pair and pair + 1 of a walk of `steps` (a step per (entry, chunk); CHUNKS even,
     so both are of one entry): chunk pair's S (issued the step before) waited for, pair + 1's
     issued and the student's product [64 keys, TOKENS] issued beside it, pair's
     exponentials, pair + 1's waited for, pair + 2's issued, pair + 1's exponentials. Where
-    the walk has no step pair + 2, the step steps - 2 runs again, unread (the callers say
-    why its slot stays as it is while it runs). tiles =
-    (k_smem, q_smem, ready, kp_keys, qp: the entry's q_proxy rows, lse_smem); products =
-    (even, odd, logits, teacher); lse_first: lse_smem's index of the entry's chunk 0.
-    Returns the products, teacher summed over both chunks' heads."""
+    the walk has no step pair + 2, the step steps - 2 runs again, unread (its tiles stay in
+    the ring: the producer loads no more). tiles = (k_smem, q_smem, ready, kp_keys, qp: the
+    program's q_proxy rows, lse_smem); products = (even, odd, logits, teacher). Returns the
+    products, teacher summed over both chunks' heads."""
     k_smem, q_smem, ready, kp_keys, qp, lse_smem = tiles
     even, odd, logits, teacher = products
-    if KEYS_IN_RING:
-        CHUNKS: gl.constexpr = lse_smem.type.shape[0]
-    else:
-        CHUNKS: gl.constexpr = lse_smem.type.shape[0] // ready.type.shape[0]
+    CHUNKS: gl.constexpr = lse_smem.type.shape[0]
     t_layout: gl.constexpr = teacher.type.layout
     done = warpgroup_mma_wait(0, deps=(even,))
-    odd = _issue_chunk(pair + 1, first_walk, k_smem, q_smem, ready, odd, HALF, KEYS_IN_RING)
+    odd = _issue_chunk(pair + 1, first_walk, k_smem, q_smem, ready, odd, HALF)
     # The student's product, read at the entry's last chunk (with 4 chunks also issued at
     # the second, unread: an async product cannot be issued conditionally).
     logits = _student(kp_keys, qp, logits, True)
-    chunk = lse_first + pair % CHUNKS
+    chunk = pair % CHUNKS
     teacher += _chunk_teacher(done, chunk, lse_smem, qk_scale_log2, t_layout)
     odd, logits = warpgroup_mma_wait(0, deps=(odd, logits))
     even = _issue_chunk(gl.minimum(pair + 2, steps - 2), first_walk, k_smem, q_smem, ready,
-                        done, HALF, KEYS_IN_RING)  # fmt: skip
+                        done, HALF)  # fmt: skip
     teacher += _chunk_teacher(odd, chunk + 1, lse_smem, qk_scale_log2, t_layout)
     return even, odd, logits, teacher
 
 
 @gluon.jit
-def _add_gradient(logits, teacher, student_lse, coefficient, kp_keys, grad_mine, grad_q):
+def _add_gradient(logits, teacher, student_lse, coefficient, kp_keys, grad_mine, grad_q,
+                  grad_desc, tile_row):  # fmt: skip
     """grad_q [D_p, TOKENS] (transposed) plus k_proxy^T (s - t) coefficient over the entry's
-    keys: (s - t) [64 keys, TOKENS] goes through shared memory (grad_mine) as the product's
-    B operand. student_lse is +inf where a token sees no key: its student is 0."""
+    keys: (s - t) coefficient [64 keys, TOKENS] goes through shared memory (grad_mine) as the
+    product's B operand, and from there by a TMA store to row tile_row of grad_desc (the
+    dk_proxy kernel's tiles). student_lse is +inf where a token sees no key: its student is
+    0."""
     student = gl.exp(logits - gl.expand_dims(student_lse, 0))  # 0 where not visible
+    tma.store_wait(0)  # the entry before's tile has left grad_mine
+    gl.thread_barrier()
     grad_mine.store(((student - teacher) * coefficient).to(grad_mine.dtype))
     fence_async_shared()
     gl.thread_barrier()
     grad_q = warpgroup_mma(kp_keys.permute((1, 0)), grad_mine, grad_q, is_async=True)
+    tma.async_copy_shared_to_global(grad_desc, [tile_row, 0], grad_mine)
     return warpgroup_mma_wait(0, deps=(grad_q,))
 
 
@@ -327,13 +317,14 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
               HAS_QUERY_MASKS: gl.constexpr):  # fmt: skip
     """One warpgroup's 64 keys of every block of the row: the walk(s), then (the first
     consumer) the program's outputs. shared: the kernel's shared-memory tiles and barriers;
-    row_values = (row_blocks, query_masks, count, first
-    token, seq_len); outputs = (lse_proxy, kl_rows: the row's [TOKENS] of [B, H_p, S],
-    grad_q_proxy: its first token's row, its token stride); scales = (proxy_scale,
-    qk_scale_log2, 1 / group, grad_scale)."""
+    row_values = (row_blocks, query_masks, count, first token, seq_len, grad_desc: the
+    gradient tiles' TMA view [tiles x 128 keys, TOKENS], its row of the row's first entry's
+    tile); outputs = (lse_proxy, kl_rows: the row's [TOKENS] of [B, H_p, S], grad_q_proxy:
+    its first token's row, its token stride); scales = (proxy_scale, qk_scale_log2, 1 / group,
+    grad_scale)."""
     (q_smem, qp_smem, lse_smem, k_smem, kp_smem, ready, empty, grad_smem, grad_partial, exchange,
      exchanged, partial_smem, partial_ready) = shared  # fmt: skip
-    row_blocks, query_masks, count, first, seq_len = row_values
+    row_blocks, query_masks, count, first, seq_len, grad_desc, tile_first = row_values
     proxy_scale, qk_scale_log2, inverse_group, grad_scale = scales
     dtype: gl.constexpr = q_smem.dtype
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -385,28 +376,32 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     sums = (cross, teacher_sum, running_max, running_sum)
     steps = count * CHUNKS  # even: CHUNKS is
     if steps > 0:
-        products = _start_walk(first_walk, k_smem, q_smem, ready, t_layout, HALF, True)
+        products = _start_walk(first_walk, k_smem, q_smem, ready, t_layout, HALF)
         for pair in range(0, steps, 2):
             entry = pair // CHUNKS
             stage = (first_walk + entry) % NUM_STAGES
             block, word = _entry_words(entry, row_blocks, query_masks, HAS_QUERY_MASKS)
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
             tiles = (k_smem, q_smem, ready, kp_keys, qp_smem, lse_smem)
-            products = _teacher_pair(pair, steps, first_walk, tiles, products, 0, qk_scale_log2,
-                                     HALF, True)  # fmt: skip
+            products = _teacher_pair(pair, steps, first_walk, tiles, products, qk_scale_log2,
+                                     HALF)  # fmt: skip
             even, odd, logits, teacher = products
             if (pair + 1) % CHUNKS == CHUNKS - 1:
                 visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
                 logits = gl.where(visible, logits * proxy_scale, float("-inf"))
                 teacher = gl.where(visible, teacher * inverse_group, 0.0)
                 if GRAD:
-                    grad_q = _add_gradient(logits, teacher, student_lse, coefficient, kp_keys,
-                                           grad_mine, grad_q)  # fmt: skip
+                    grad_q = _add_gradient(
+                        logits, teacher, student_lse, coefficient, kp_keys, grad_mine, grad_q,
+                        grad_desc, tile_first + entry * 128 + HALF * HALF_N,
+                    )  # fmt: skip
                 sums = _add_sums(sums, logits, teacher, GRAD)
                 mbarrier.arrive(empty.index(stage))
                 teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
             products = (even, odd, logits, teacher)
         warpgroup_mma_wait(0, deps=(products[0],))
+    if GRAD:
+        tma.store_wait(0)  # grad_mine is read until the last tile's store completes
     cross, teacher_sum, running_max, running_sum = sums
     token_cross = gl.sum(cross, axis=0)  # [TOKENS]
     token_teacher = gl.sum(teacher_sum, axis=0)
@@ -452,28 +447,30 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
 @gluon.jit
 def _kl_rows_kernel(
     q_proxy, q, lse, k_desc, kp_desc, row_offsets, col_indices, query_masks, grad_scale,
-    lse_proxy, kl_rows, grad_q_proxy,
+    lse_proxy, kl_rows, grad_q_proxy, grad_desc,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_q_b, stride_q_s, stride_q_h, stride_lse_b,
-    stride_lse_h, seq_len, heads_proxy, proxy_group, kv_group, group, layout_batch_stride,
-    heads_per_layout, num_q_blocks, proxy_scale, qk_scale_log2,
+    stride_lse_h, seq_len, heads_proxy, proxy_group, kv_group, group, heads_per_layout,
+    num_q_blocks, proxy_scale, qk_scale_log2, layout_row, block_start, entry_start,
+    chunk_entries, batch_base, head_base,
     HEAD_DIM: gl.constexpr, PROXY_DIM: gl.constexpr, CHUNKS: gl.constexpr,
     CHUNK_HEADS: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, GRAD: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (num_q_blocks, B * H_p): one program per (query block of TOKENS tokens, batch x
-    proxy head), as kl._kl_rows_kernel's, writing the same lse_proxy and kl_rows [B, H_p, S]
-    and, with GRAD, grad_q_proxy (times grad_scale, d kl_loss / d kl(i, p)). k_desc, kp_desc:
-    TMA views [B * S, H_kv * D] and [B * S, H_pk * D_p] in blocks of [128, D] and
-    [128, D_p]; query_masks: int64 [nnz] aligned with col_indices with HAS_QUERY_MASKS."""
+    """One program per (query block of TOKENS tokens, copy) of a chunk, as kl._kl_rows_kernel's
+    (the same grid and chunk arguments), writing the same lse_proxy and kl_rows [B, H_p, S]
+    and, with GRAD, grad_q_proxy (times grad_scale, d kl_loss / d kl(i, p)) and the entries'
+    tiles of d kl_loss / d z through grad_desc (a TMA view [tiles x 128 keys, TOKENS] in
+    boxes of [64, TOKENS]). k_desc, kp_desc: TMA views [B * S, H_kv * D] and
+    [B * S, H_pk * D_p] in blocks of [128, D] and [128, D_p]; query_masks: int64 [nnz]
+    aligned with col_indices with HAS_QUERY_MASKS."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = k_desc.dtype
     TOKENS: gl.constexpr = TILE_TOKENS
     CHUNK_ROWS: gl.constexpr = CHUNK_HEADS * TOKENS
-    block = gl.program_id(0)
-    batch = gl.program_id(1) // heads_proxy
-    head = gl.program_id(1) % heads_proxy
+    block = block_start + gl.program_id(0)
+    batch = batch_base + gl.program_id(1) // heads_per_layout
+    head = head_base + gl.program_id(1) % heads_per_layout
     first = block * TOKENS
-    layout_row = batch * layout_batch_stride + head // heads_per_layout
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start = gl.load(row)
     count = gl.load(row + 1) - start
@@ -533,7 +530,8 @@ def _kl_rows_kernel(
     fence_async_shared()
 
     row_blocks = col_indices + start
-    row_values = (row_blocks, query_masks + start, count, first, seq_len)
+    tile_first = (gl.program_id(1) * chunk_entries + start - entry_start) * KEYS
+    row_values = (row_blocks, query_masks + start, count, first, seq_len, grad_desc, tile_first)
     stats = batch * heads_proxy * seq_len + head * seq_len + first  # into [B, H_p, S]
     grad_row = (grad_q_proxy + batch.to(gl.int64) * stride_qp_b + head * stride_qp_h
                 + first.to(gl.int64) * stride_qp_s)  # fmt: skip
@@ -576,32 +574,42 @@ def _head_major_descriptor(tensor: torch.Tensor, heads: int) -> TensorDescriptor
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
+def _tile_descriptor(grad_tiles: torch.Tensor) -> TensorDescriptor:
+    """The TMA view [tiles x 128 keys, TOKENS] of the gradient tiles (flat, contiguous) in
+    boxes of one consumer's [64 keys, TOKENS]."""
+    flat, block = grad_tiles.view(-1, TOKENS), [HALF_N.value, TOKENS]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[grad_tiles.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+
+
 def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, layout,
-            grad_scale, outputs, proxy_scale: float, softmax_scale: float) -> None:  # fmt: skip
-    """Fill outputs = (lse_proxy, kl_rows, grad_q_proxy or None) as kl's rows kernel does,
-    over `layout` (a BlockLayout of TOKENS x 128 blocks whose row_offsets / col_indices these
-    are; query_masks its int64 words or None). Contiguous inputs; the caller checked the
-    call (supports)."""
-    lse_proxy, kl_rows_out, grad_q_proxy = outputs
+            grad_scale, outputs, proxy_scale: float, softmax_scale: float, grid: tuple,
+            chunk: dict) -> None:  # fmt: skip
+    """Fill outputs = (lse_proxy, kl_rows, grad_q_proxy or None, grad_tiles) for one chunk of
+    kl's rows kernel (its grid and chunk arguments), as that kernel does, over `layout` (a
+    BlockLayout of TOKENS x 128 blocks whose row_offsets / col_indices these are;
+    query_masks its int64 words or None); grad_tiles (flat, 16-byte aligned) is read with
+    grad_q_proxy only. Contiguous inputs; the caller checked the call (supports)."""
+    lse_proxy, kl_rows_out, grad_q_proxy, grad_tiles = outputs
     batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
     heads_q, heads_kv, head_dim = q.shape[2], k.shape[2], q.shape[3]
     with_grad = grad_q_proxy is not None
     has_masks = query_masks is not None
     group = heads_q // heads_proxy
-    _kl_rows_kernel[(layout.num_q_blocks, batch * heads_proxy)](
+    _kl_rows_kernel[grid](
         q_proxy=q_proxy, q=q, lse=lse, k_desc=_key_descriptor(k),
         kp_desc=_key_descriptor(k_proxy), row_offsets=row_offsets,
         col_indices=col_indices, query_masks=query_masks if has_masks else col_indices,
         grad_scale=grad_scale, lse_proxy=lse_proxy, kl_rows=kl_rows_out,
         grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
+        grad_desc=_tile_descriptor(grad_tiles),
         stride_qp_b=q_proxy.stride(0), stride_qp_s=q_proxy.stride(1),
         stride_qp_h=q_proxy.stride(2), stride_q_b=q.stride(0), stride_q_s=q.stride(1),
         stride_q_h=q.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
         seq_len=seq_len, heads_proxy=heads_proxy, proxy_group=heads_proxy // k_proxy.shape[2],
         kv_group=heads_proxy // heads_kv, group=group,
-        layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
         heads_per_layout=heads_proxy // layout.layout_heads, num_q_blocks=layout.num_q_blocks,
-        proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
+        proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E, **chunk,
         HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunk_count(group),
         CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=has_masks, GRAD=with_grad,
         NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
@@ -634,7 +642,8 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
         k_desc=codegen.descriptor_type(dtype, KV_BLOCK, head_dim),
         kp_desc=codegen.descriptor_type(dtype, KV_BLOCK, proxy_dim),
         row_offsets="*i32", col_indices="*i32", query_masks="*i64", grad_scale="*fp32",
-        lse_proxy="*fp32", kl_rows="*fp32", grad_q_proxy=pointer, proxy_scale="fp32",
+        lse_proxy="*fp32", kl_rows="*fp32", grad_q_proxy=pointer,
+        grad_desc=codegen.descriptor_type(dtype, HALF_N.value, TOKENS), proxy_scale="fp32",
         qk_scale_log2="fp32",
     )  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunk_count(group),
@@ -642,279 +651,3 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
                       NUM_STAGES=NUM_STAGES)  # fmt: skip
     name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}{'_grad' if grad else ''}"
     return _compile(_kl_rows_kernel, types, constexprs, workdir, name)
-
-
-# ---- d kl_loss / d k_proxy ---------------------------------------------------------------
-
-
-@gluon.jit
-def _column(columns, batch, head, block):
-    """(start, count) of the transposed layout's column `block` in proxy head `head`'s layout
-    row: its entries are the query blocks that selected the kv block. columns =
-    (t_row_offsets, layout_batch_stride, heads_per_layout, num_kv_blocks)."""
-    t_row_offsets, layout_batch_stride, heads_per_layout, num_kv_blocks = columns
-    layout_row = batch * layout_batch_stride + head // heads_per_layout
-    column = t_row_offsets + layout_row * (num_kv_blocks + 1) + block
-    start = gl.load(column)
-    return start, gl.load(column + 1) - start
-
-
-@gluon.jit
-def _dk_producer(descriptors, shared, walk, lse_values):
-    """The dk_proxy kernel's producer warp: the program's k_proxy tile; then per proxy head of
-    its key head the head's K tile (once the consumers released the one before) and, an
-    entry of the column a ring slot, the entry's query side: the group's query rows (CHUNKS
-    TMA boxes of CHUNK_HEADS heads x TOKENS tokens, head-major), the proxy head's q_proxy
-    rows and, by plain loads, the group's lse (times log2 e) and the head's lse_proxy."""
-    k_desc, kp_desc, q_desc, qp_desc = descriptors
-    (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty, ready,
-     empty) = shared  # fmt: skip
-    columns, t_col_indices, batch, key_head, first_head, heads, block, seq_len, kv_group = walk
-    lse, lse_proxy, stride_lse_h, group = lse_values  # at the batch element
-    NUM_STAGES: gl.constexpr = qp_smem.type.shape[0]
-    TOKENS: gl.constexpr = qp_smem.type.shape[1]
-    CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
-    KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    PROXY_DIM: gl.constexpr = kp_desc.block_type.shape[1]
-    CHUNK_HEADS: gl.constexpr = q_desc.block_type.shape[1]
-    lane_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])  # [64] over the warp
-    chunk_rows = gl.arange(0, CHUNK_HEADS * TOKENS, layout=lane_layout)  # h * TOKENS + t
-    row_tokens = chunk_rows % TOKENS
-    offsets = (chunk_rows // TOKENS) * stride_lse_h + row_tokens  # [64] in a chunk's heads
-    tokens = gl.arange(0, TOKENS, layout=lane_layout)
-    key_row = batch * seq_len + block * KEYS
-
-    mbarrier.expect(kp_ready, kp_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(kp_desc, [key_row, key_head * PROXY_DIM], kp_ready, kp_smem)
-    position = 0
-    for index in range(heads):
-        head = first_head + index
-        # A fresh barrier counts as having completed the phase before 0: the first waits
-        # pass at once.
-        mbarrier.wait(k_empty, (index & 1) ^ 1)
-        mbarrier.expect(k_ready, k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [key_row, (head // kv_group) * HEAD_DIM],
-                                        k_ready, k_smem)  # fmt: skip
-        start, count = _column(columns, batch, head, block)
-        for entry in range(count):
-            stage = position % NUM_STAGES
-            mbarrier.wait(empty.index(stage), ((position // NUM_STAGES) & 1) ^ 1)
-            first = gl.load(t_col_indices + start + entry) * TOKENS
-            entry_lse = lse + (head * group).to(gl.int64) * stride_lse_h + first
-            in_sequence = first + row_tokens < seq_len  # [64]
-            for chunk in gl.static_range(CHUNKS):
-                chunk_lse = gl.load(entry_lse + (chunk * CHUNK_HEADS * stride_lse_h + offsets),
-                                    mask=in_sequence, other=0.0)  # fmt: skip
-                lse_smem.index(stage * CHUNKS + chunk).store(chunk_lse * 1.4426950408889634)
-            head_lse = gl.load(lse_proxy + head.to(gl.int64) * seq_len + first + tokens,
-                               mask=first + tokens < seq_len, other=0.0)  # fmt: skip
-            lsep_smem.index(stage).store(head_lse)
-            gl.thread_barrier()  # every lane's stores before the arrival that publishes them
-            mbarrier.expect(ready.index(stage),
-                            CHUNKS * q_desc.block_type.nbytes + qp_desc.block_type.nbytes)
-            for chunk in gl.static_range(CHUNKS):
-                tma.async_copy_global_to_shared(
-                    q_desc, [batch, head * group + chunk * CHUNK_HEADS, first, 0],
-                    ready.index(stage),
-                    q_smem.index(stage * CHUNKS + chunk).reshape(q_desc.block_type.shape),
-                )  # fmt: skip
-            tma.async_copy_global_to_shared(qp_desc, [batch, head, first, 0], ready.index(stage),
-                                            qp_smem.index(stage).reshape(qp_desc.block_type.shape))
-            position += 1
-
-
-@gluon.jit
-def _dk_consumer(shared, walk, scales, output, HALF: gl.constexpr,
-                 HAS_QUERY_MASKS: gl.constexpr):  # fmt: skip
-    """One warpgroup's 64 keys of the program's kv block: per proxy head, the walk over the
-    column's entries (chunk c + 1's teacher product issued before chunk c's exponentials, as
-    the rows kernel's walk), at each entry's end (s - t) [64 keys, TOKENS] from registers
-    times the entry's q_proxy rows into d k_proxy [64, D_p]; then its rows of grad_k_proxy.
-    output = (grad_k_proxy, its strides over batch, sequence and heads, H_pk)."""
-    (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty, ready,
-     empty) = shared  # fmt: skip
-    columns, t_col_indices, query_masks, batch, first_head, heads, block, seq_len = walk
-    proxy_scale, qk_scale_log2, inverse_group, grad_scale = scales
-    dtype: gl.constexpr = q_smem.dtype
-    NUM_STAGES: gl.constexpr = qp_smem.type.shape[0]
-    TOKENS: gl.constexpr = qp_smem.type.shape[1]
-    PROXY_DIM: gl.constexpr = qp_smem.type.shape[2]
-    CHUNKS: gl.constexpr = q_smem.type.shape[0] // NUM_STAGES
-    t_layout: gl.constexpr = mma_layout(TOKENS, dtype)  # [64 keys, TOKENS]
-    token_layout: gl.constexpr = gl.SliceLayout(0, t_layout)
-    grad_layout: gl.constexpr = mma_layout(PROXY_DIM, dtype)  # [64 keys, D_p]
-    operand_layout: gl.constexpr = gl.DotOperandLayout(
-        operand_index=0, parent=grad_layout, k_width=32 // dtype.primitive_bitwidth
-    )  # fmt: skip
-    keys = HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, t_layout))  # [64]
-    kp_keys = kp_smem.slice(HALF * HALF_N, HALF_N)  # [64, D_p]
-    coefficient = gl.load(grad_scale)
-    grad_k = gl.zeros([HALF_N, PROXY_DIM], gl.float32, grad_layout)
-    mbarrier.wait(kp_ready, 0)
-    position = 0
-    for index in range(heads):
-        start, count = _column(columns, batch, first_head + index, block)
-        mbarrier.wait(k_ready, index & 1)
-        # As the rows kernel's walk: a step per (entry, chunk), two a loop (_teacher_pair);
-        # the gradient's wait at an entry's end also waits for a product run again past the
-        # walk's end, before the slot it reads is released.
-        steps = count * CHUNKS  # even: CHUNKS is
-        if steps > 0:
-            products = _start_walk(position, k_smem, q_smem, ready, t_layout, HALF, False)
-            for pair in range(0, steps, 2):
-                entry = pair // CHUNKS
-                stage = (position + entry) % NUM_STAGES
-                query_block, word = _entry_words(start + entry, t_col_indices, query_masks,
-                                                 HAS_QUERY_MASKS)  # fmt: skip
-                tiles = (k_smem, q_smem, ready, kp_keys, qp_smem.index(stage), lse_smem)
-                products = _teacher_pair(pair, steps, position, tiles, products,
-                                         stage * CHUNKS, qk_scale_log2, HALF, False)  # fmt: skip
-                even, odd, logits, teacher = products
-                if (pair + 1) % CHUNKS == CHUNKS - 1:
-                    positions = query_block * TOKENS + gl.arange(0, TOKENS, layout=token_layout)
-                    visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
-                    student_lse = lsep_smem.index(stage).load(token_layout)  # [TOKENS]
-                    student = gl.exp(logits * proxy_scale - gl.expand_dims(student_lse, 0))
-                    grad = gl.where(visible, (student - teacher * inverse_group) * coefficient,
-                                    0.0)  # fmt: skip  # [64 keys, TOKENS]
-                    grad = gl.convert_layout(grad.to(dtype), operand_layout)
-                    grad_k = warpgroup_mma(grad, qp_smem.index(stage), grad_k, is_async=True)
-                    grad_k = warpgroup_mma_wait(0, deps=(grad_k,))
-                    mbarrier.arrive(empty.index(stage))
-                    teacher = gl.zeros([HALF_N, TOKENS], gl.float32, t_layout)
-                products = (even, odd, logits, teacher)
-            warpgroup_mma_wait(0, deps=(products[0],))
-        mbarrier.arrive(k_empty)
-        position += count
-    grad_k_proxy, stride_gk_b, stride_gk_s, stride_gk_h, heads_keys = output
-    grad_row = (grad_k_proxy + batch.to(gl.int64) * stride_gk_b
-                + (gl.program_id(1) % heads_keys) * stride_gk_h)  # fmt: skip
-    rows = block * 128 + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, grad_layout))
-    dims = gl.arange(0, PROXY_DIM, layout=gl.SliceLayout(0, grad_layout))
-    pointers = (grad_row + gl.expand_dims(rows.to(gl.int64) * stride_gk_s, 1)
-                + gl.expand_dims(dims, 0))  # fmt: skip
-    gl.store(pointers, (grad_k * proxy_scale).to(dtype),
-             mask=gl.expand_dims(rows < seq_len, 1))  # fmt: skip
-
-
-@gluon.jit
-def _kl_dk_proxy_kernel(
-    lse, lse_proxy, k_desc, kp_desc, q_desc, qp_desc, t_row_offsets, t_col_indices,
-    query_masks, grad_scale, grad_k_proxy, stride_lse_b, stride_lse_h, stride_gk_b,
-    stride_gk_s, stride_gk_h, seq_len, heads_proxy, proxy_group, kv_group, group,
-    layout_batch_stride, heads_per_layout, num_kv_blocks, proxy_scale, qk_scale_log2,
-    CHUNKS: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, NUM_STAGES: gl.constexpr,
-):  # fmt: skip
-    """Grid (num_kv_blocks, B * H_pk): one program per (kv block, batch x proxy key head), as
-    kl._kl_dk_proxy_kernel's, writing its rows of grad_k_proxy (d kl_loss / d k_proxy times
-    grad_scale) and owning them: no atomics. k_desc, kp_desc: TMA views [B * S, H_kv * D] and
-    [B * S, H_pk * D_p] in blocks [128, D] and [128, D_p]; q_desc, qp_desc: views
-    [B, H_q, S, D] and [B, H_p, S, D_p] in boxes [1, CHUNK_HEADS, TOKENS, D] and
-    [1, 1, TOKENS, D_p]; query_masks: int64 [nnz] in the transposed layout's order with
-    HAS_QUERY_MASKS. lse_proxy: the rows kernel's [B, H_p, S]."""
-    KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    PROXY_DIM: gl.constexpr = kp_desc.block_type.shape[1]
-    TOKENS: gl.constexpr = qp_desc.block_type.shape[2]
-    CHUNK_ROWS: gl.constexpr = q_desc.block_type.shape[1] * TOKENS  # CHUNK_HEADS x TOKENS
-    dtype: gl.constexpr = k_desc.dtype
-    block = gl.program_id(0)
-    heads_keys = heads_proxy // proxy_group
-    batch = gl.program_id(1) // heads_keys
-    key_head = gl.program_id(1) % heads_keys
-
-    k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], k_desc.layout)
-    kp_smem = gl.allocate_shared_memory(dtype, [KEYS, PROXY_DIM], kp_desc.layout)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK_ROWS, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * CHUNKS, CHUNK_ROWS, HEAD_DIM],
-                                       q_layout)  # fmt: skip
-    qp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TOKENS, PROXY_DIM], dtype)
-    qp_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TOKENS, PROXY_DIM], qp_layout)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * CHUNKS, CHUNK_ROWS], flat)
-    lsep_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, TOKENS], flat)
-    kp_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kp_ready, count=1)
-    mbarrier.init(k_ready, count=1)
-    mbarrier.init(k_empty, count=2)  # one arrival per consumer warpgroup
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    fence_async_shared()
-
-    shared = (k_smem, kp_smem, q_smem, qp_smem, lse_smem, lsep_smem, kp_ready, k_ready, k_empty,
-              ready, empty)  # fmt: skip
-    columns = (t_row_offsets, layout_batch_stride, heads_per_layout, num_kv_blocks)
-    first_head = key_head * proxy_group
-    walk = (columns, t_col_indices, query_masks, batch, first_head, proxy_group, block, seq_len)
-    producer_walk = (columns, t_col_indices, batch, key_head, first_head, proxy_group, block,
-                     seq_len, kv_group)  # fmt: skip
-    lse_values = (lse + batch.to(gl.int64) * stride_lse_b,
-                  lse_proxy + batch.to(gl.int64) * heads_proxy * seq_len, stride_lse_h, group)
-    scales = (proxy_scale, qk_scale_log2, 1.0 / group, grad_scale)
-    output = (grad_k_proxy, stride_gk_b, stride_gk_s, stride_gk_h, heads_keys)
-    # The default partition (this kernel's 4 warps) is the first consumer.
-    gl.warp_specialize(
-        [(_dk_consumer, (shared, walk, scales, output, 0, HAS_QUERY_MASKS)),
-         (_dk_consumer, (shared, walk, scales, output, 1, HAS_QUERY_MASKS)),
-         (_dk_producer, ((k_desc, kp_desc, q_desc, qp_desc), shared, producer_walk,
-                         lse_values))],
-        [CONSUMER_WARPS, PRODUCER_WARPS],
-        [DK_CONSUMER_REGISTERS, DK_PRODUCER_REGISTERS],
-    )  # fmt: skip
-
-
-def kl_dk_proxy(q_proxy, k_proxy, q, k, lse, lse_proxy, t_row_offsets, t_col_indices,
-                t_query_masks, layout, grad_scale, grad_k_proxy, proxy_scale: float,
-                softmax_scale: float) -> None:  # fmt: skip
-    """Fill grad_k_proxy (like k_proxy) as kl's dk_proxy kernel does, over `layout` (as in
-    kl_rows; t_row_offsets / t_col_indices its transpose, t_query_masks its words in that
-    order or None), from the rows kernel's lse_proxy. Contiguous inputs; the caller checked
-    the call (supports)."""
-    batch, seq_len, heads_proxy, _ = q_proxy.shape
-    heads_q, heads_kv = q.shape[2], k.shape[2]
-    heads_keys = k_proxy.shape[2]
-    has_masks = t_query_masks is not None
-    group = heads_q // heads_proxy
-    _kl_dk_proxy_kernel[(layout.num_kv_blocks, batch * heads_keys)](
-        lse=lse, lse_proxy=lse_proxy, k_desc=_key_descriptor(k), kp_desc=_key_descriptor(k_proxy),
-        q_desc=_head_major_descriptor(q, chunk_heads(group)),
-        qp_desc=_head_major_descriptor(q_proxy, 1),
-        t_row_offsets=t_row_offsets, t_col_indices=t_col_indices,
-        query_masks=t_query_masks if has_masks else t_col_indices, grad_scale=grad_scale,
-        grad_k_proxy=grad_k_proxy, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
-        stride_gk_b=grad_k_proxy.stride(0), stride_gk_s=grad_k_proxy.stride(1),
-        stride_gk_h=grad_k_proxy.stride(2), seq_len=seq_len, heads_proxy=heads_proxy,
-        proxy_group=heads_proxy // heads_keys, kv_group=heads_proxy // heads_kv, group=group,
-        layout_batch_stride=layout.layout_heads if layout.layout_batch > 1 else 0,
-        heads_per_layout=heads_proxy // layout.layout_heads, num_kv_blocks=layout.num_kv_blocks,
-        proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E,
-        CHUNKS=chunk_count(group), HAS_QUERY_MASKS=has_masks,
-        NUM_STAGES=DK_NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
-    )  # fmt: skip
-
-
-def compile_dk_proxy_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
-                              proxy_dim: int = 128, group: int = 16) -> dict:  # fmt: skip
-    """Compile the dk_proxy kernel for sm_90a without a GPU (with query masks; `group` query
-    heads a proxy head) and report as _compile does."""
-    from flash_msa.ops.gluon import codegen
-
-    types = dict(
-        lse="*fp32", lse_proxy="*fp32",
-        k_desc=codegen.descriptor_type(dtype, KV_BLOCK, head_dim),
-        kp_desc=codegen.descriptor_type(dtype, KV_BLOCK, proxy_dim),
-        q_desc=codegen.descriptor_type(dtype, 1, chunk_heads(group), TOKENS, head_dim),
-        qp_desc=codegen.descriptor_type(dtype, 1, 1, TOKENS, proxy_dim),
-        t_row_offsets="*i32", t_col_indices="*i32", query_masks="*i64", grad_scale="*fp32",
-        grad_k_proxy=f"*{dtype}", proxy_scale="fp32", qk_scale_log2="fp32",
-    )  # fmt: skip
-    constexprs = dict(CHUNKS=chunk_count(group), HAS_QUERY_MASKS=True,
-                      NUM_STAGES=DK_NUM_STAGES)  # fmt: skip
-    name = f"kl_dk_proxy_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}"
-    return _compile(_kl_dk_proxy_kernel, types, constexprs, workdir, name)

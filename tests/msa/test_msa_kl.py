@@ -65,17 +65,25 @@ def _expected_kl(tensors, layout, documents, scale, proxy_scale):
 
 
 @pytest.mark.parametrize(
-    "documents, heads_q", [(False, HEADS_Q), (True, HEADS_Q), (True, 24)]
-)
-def test_proxy_kl_loss_matches_float64(documents, heads_q):
+    "documents, heads_q, shared, chunked",
+    [(False, HEADS_Q, False, False), (True, HEADS_Q, False, False), (True, 24, False, False),
+     (True, HEADS_Q, False, True), (False, HEADS_Q, True, True)],
+)  # fmt: skip
+def test_proxy_kl_loss_matches_float64(documents, heads_q, shared, chunked, monkeypatch):
     """heads_q 24: 12 query heads per proxy head (the teacher's loop over a group that is
-    not a power of two)."""
+    not a power of two). shared: one causal layout for every batch element and proxy head
+    (the rows kernel's copies, and both proxy heads adding into the one key head); chunked:
+    the gradient tiles of one query block at a time (a launch of each kernel per block)."""
+    if chunked:
+        monkeypatch.setattr(kl, "GRAD_TILE_BYTES", 1)
     tensors = _inputs(seed=int(documents), heads_q=heads_q)
     cu_seqlens = torch.tensor([0, 70, 150, SEQ_LEN], dtype=torch.int32, device=DEVICE)
     document_ids = None
     if documents:
         document_ids = document_ids_of(cu_seqlens)[None].expand(BATCH, -1).contiguous()
     layout = _layout(seed=3, cu_seqlens=cu_seqlens if documents else None)
+    if shared:
+        layout = patterns.causal(SEQ_LEN, q_block=Q_BLOCK, kv_block=KV_BLOCK, device=DEVICE)
     scale, proxy_scale = DIM**-0.5, 0.7
     _, lse = block_sparse_attn_func(
         tensors["q"], tensors["k"], tensors["v"], layout, causal=True, softmax_scale=scale,
@@ -268,8 +276,9 @@ import json, sys
 from flash_msa.msa import kl
 from flash_msa.testing import compile_for_sm90
 types = dict(q_proxy="*bf16", k_proxy="*bf16", q="*bf16", k="*bf16", grad_q_proxy="*bf16",
-             grad_k_proxy="*bf16", lse="*fp32", grad_scale="*fp32", lse_proxy="*fp32",
-             kl_rows="*fp32", query_masks="*i64", proxy_scale="fp32", qk_scale_log2="fp32",
+             grad_tiles="*bf16", grad_k_proxy="*fp32", lse="*fp32", grad_scale="*fp32",
+             lse_proxy="*fp32", kl_rows="*fp32", query_masks="*i64", t_entries="*i64",
+             proxy_scale="fp32", qk_scale_log2="fp32",
              **{name: "*i32" for name in ("documents", "q_blocks", "row_offsets", "col_indices",
                                           "t_row_offsets", "t_col_indices")})
 sizes = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, PROXY_DIM=128, PROXY_DIM_PAD=128, KV_BLOCK=128,
@@ -277,12 +286,13 @@ sizes = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, PROXY_DIM=128, PROXY_DIM_PAD=128, K
 for name, kernel, options in [
     ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=1, HAS_QUERY_MASKS=False, GRAD=True)),
     ("rows", kl._kl_rows_kernel, dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, GRAD=True)),
-    ("dk_proxy", kl._kl_dk_proxy_kernel,
-     dict(Q_BLOCK=16, HAS_QUERY_MASKS=True, ENTRIES=kl.dk_proxy_entries(16))),
+    ("dk_proxy", kl._kl_dk_proxy_kernel, dict(Q_BLOCK=16, ENTRIES=kl.dk_proxy_entries(16))),
 ]:
     warps, stages = (function(name, options["Q_BLOCK"]) for function in (kl.num_warps,
                                                                           kl.num_stages))
-    report = compile_for_sm90(kernel, dict(sizes, **options), types, warps, stages, sys.argv[1],
+    constexprs = {key: value for key, value in dict(sizes, **options).items()
+                  if key in kernel.arg_names}
+    report = compile_for_sm90(kernel, constexprs, types, warps, stages, sys.argv[1],
                               aligned=True)
     print(json.dumps(dict(report, name=f"{name} q_block {options['Q_BLOCK']}")))
 """
@@ -321,7 +331,7 @@ def test_kl_launch_takes_fewer_stages_where_the_tiles_do_not_fit(monkeypatch):
     the launch drops stages until it fits, keeps the count for the next call, and raises
     only where even 1 stage does not fit."""
     monkeypatch.setattr(kl, "_STAGES_THAT_FIT", {})
-    arguments = dict(q=torch.empty(1), Q_BLOCK=64, HEAD_DIM_PAD=256, PROXY_DIM_PAD=256)
+    arguments = dict(q_proxy=torch.empty(1), Q_BLOCK=64, HEAD_DIM_PAD=256, PROXY_DIM_PAD=256)
     kernel = _KernelNeedingStages(fitting=1)
     for _ in range(2):
         kl._launch(kernel, (4, 2), 3, arguments)
