@@ -1,16 +1,17 @@
 """The MSA KL kernels at 4 and 8 warps and 1 to 3 pipelining stages on bench_msa's inputs
 (128K tokens, H_q 64, H_p 4, D 128, top_k 16): forward without a gradient, forward with the
-q_proxy gradient (the rows kernel), and the k_proxy backward (dk_proxy), per selection, and
-for query blocks of 2 to 32 rows with dk_proxy gathering 1, 2 or 4 of them a step (with
---entries); medians of 3 timed calls.
+gradients (the rows kernel, which writes the q_proxy gradient and the tiles of d kl_loss /
+d z, and dk_proxy, which multiplies them into the k_proxy gradient), and the backward (the
+two scaled by d loss / d kl_loss), per selection, and for query blocks of 2 to 32 rows with
+dk_proxy gathering 1, 2 or 4 of them a step (with --entries); medians of 3 timed calls.
 
     python3 benchmarks/bench_kl_configs.py [--seq-len 128k] [--proxies local,random]
         [--q-blocks 1,16,64] [--warps 4,8] [--stages 1,2,3] [--entries]
         [--kernels triton,gluon]
 
 flash_msa.msa.kl.num_warps, num_stages and dk_proxy_entries hold the faster choices (of the
-Triton kernels). With --kernels gluon the rows and the dk_proxy kernel are the Gluon ones
-(sm_90, where they take the call; the warps, stages and entries then reach neither);
+Triton kernels). With --kernels gluon the rows kernel is the Gluon one (sm_90, where it takes
+the call; the warps and stages then reach dk_proxy only);
 without --warps / --stages every program runs at the library's choice.
 """
 
@@ -41,7 +42,7 @@ def entry_choices(q_block: int, every: bool) -> list[int]:
 
 def time_kl(loss, warps: int | None, stages: int | None, entries: int,
             kernels: str) -> tuple[float, float, float]:  # fmt: skip
-    """(forward without a gradient, forward with the q_proxy gradient, forward + backward) ms
+    """(forward without a gradient, forward with the gradients, forward + backward) ms
     of loss() with every KL program at `warps` warps and `stages` stages (None: the
     library's), dk_proxy gathering `entries` query blocks a step and the KL's kernels
     `kernels` ("triton" or "gluon")."""
@@ -80,7 +81,7 @@ def main() -> None:
     seq_len = args.seq_len
     device, scale = torch.device("cuda"), bench_msa.HEAD_DIM**-0.5
     print("| proxies | granularity | q_block | kernels | warps | stages | dk_proxy entries "
-          "| forward ms | forward + dq_proxy ms | dk_proxy ms | total ms |\n"
+          "| forward ms | forward + gradients ms | backward ms | total ms |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for proxies in args.proxies.split(","):
         cases = [case for case in CASES[proxies] if case[1] in q_blocks]

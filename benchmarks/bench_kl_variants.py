@@ -1,15 +1,16 @@
 """Where the Gluon KL rows kernel's time goes: the kernel as it stands against edits of its
 source, on bench_msa's inputs (bf16, H_q 64, H_kv 4, H_p 4, H_pk 1, D = D_p = 128, top_k 16,
 kv_block 128) and their per-token selection over 16-token tiles (the KL's), local proxies;
-the loss alone and with the q_proxy gradient, medians of 3 timed calls after one untimed.
+the loss alone and with its gradients (the rows kernel writes the q_proxy gradient and the
+tiles dk_proxy reads), medians of 3 timed calls after one untimed.
 
     python3 benchmarks/bench_kl_variants.py [--seq-len 1m] [--variants A,E]
 
 A: flash_msa/msa/kl_gluon.py as it stands.
 E: the teacher's exponentials left out (probabilities taken as the exponents themselves):
    A minus E is what the exponentials cost beyond what runs under the products.
-Each variant's per-token KL terms and q_proxy gradient are compared with A's (largest
-difference; E's differ).
+Each variant's loss and q_proxy gradient are compared with A's (largest difference; E's
+differ).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import importlib.util
 import pathlib
 import tempfile
+from unittest import mock
 
 import bench_msa
 import torch
@@ -26,6 +28,7 @@ from common import median_ms
 
 from flash_msa import block_sparse_attn_func
 from flash_msa.bench import parse_length
+from flash_msa.msa import kl, proxy_kl_loss
 from flash_msa.msa.interface import select
 
 SOURCE = (pathlib.Path(__file__).parents[1] / "flash_msa/msa/kl_gluon.py").read_text()
@@ -63,32 +66,26 @@ def main() -> None:
         )  # fmt: skip
         lse = block_sparse_attn_func(q, k, v, layout, causal=True, return_lse=True,
                                      query_masks=masks)[1]  # fmt: skip
-    batch, seq_len, heads_proxy, _ = q_proxy.shape
-    lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
-    kl_rows = torch.empty_like(lse_proxy)
-    grad_q_proxy = torch.empty_like(q_proxy)
-    grad_scale = lse.new_full((1,), 1 / kl_rows.numel())
-    print("| variant | loss ms | loss + dq_proxy ms | loss | largest difference from A: kl terms "
+    loss = functools.partial(
+        proxy_kl_loss, q_proxy.detach().requires_grad_(), k_proxy, q, k, lse, layout,
+        softmax_scale=scale, proxy_softmax_scale=scale, query_masks=masks,
+    )  # fmt: skip
+    print("| variant | loss ms | loss + gradients ms | loss | largest difference from A: loss "
           "/ dq_proxy |\n|---|---|---|---|---|")  # fmt: skip
     reference = None
     with tempfile.TemporaryDirectory() as folder:
         for name in args.variants.split(","):
-            module = load_variant(name, pathlib.Path(folder))
-            times = []
-            for grad in (None, grad_q_proxy):
-                rows = functools.partial(
-                    module.kl_rows, q_proxy, k_proxy, q, k, lse, layout.row_offsets,
-                    layout.col_indices, masks, layout, grad_scale, (lse_proxy, kl_rows, grad),
-                    scale, scale,
-                )  # fmt: skip
-                times.append(median_ms(rows))
-            outputs = (kl_rows.clone(), grad_q_proxy.clone())
+            with mock.patch.object(kl, "kl_gluon", load_variant(name, pathlib.Path(folder))):
+                with torch.no_grad():
+                    times = [median_ms(loss)]
+                times.append(median_ms(loss))
+                value = loss()
+                outputs = (value.detach(), torch.autograd.grad(value, loss.args[0])[0])
             reference = outputs if reference is None else reference
             differences = [(mine.float() - theirs.float()).abs().max().item()
                            for mine, theirs in zip(outputs, reference, strict=True)]  # fmt: skip
-            print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {kl_rows.mean().item():.6f} "
+            print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {outputs[0].item():.6f} "
                   f"| {differences[0]:.2e} / {differences[1]:.2e} |", flush=True)  # fmt: skip
-
 
 if __name__ == "__main__":
     main()
