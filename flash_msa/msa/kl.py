@@ -8,11 +8,13 @@ selected blocks, causal, within i's document):
 where z is the scaled proxy logit and lse_proxy its log-sum-exp over the keys. kl_loss is the
 mean of kl over the N (token, proxy head) terms, or their sum. Its gradient reaches the proxy
 only: d kl_loss / d z(i, j) = (s - t) / N (N = 1 for the sum). Two kernels over the block
-layout, each recomputing the teacher from q, k and the main attention's lse (never stored):
-the forward (rows), which also writes d kl_loss / d q_proxy when q_proxy needs a gradient
-(a first walk over the student alone finds its lse, the second recomputes the teacher once
-for the loss and the gradient; the backward scales it by d loss / d kl_loss), and dk_proxy
-(the transposed layout: per kv block, the query blocks that use it). With q_blocks (context
+layout: the rows kernel recomputes the teacher from q, k and the main attention's lse (never
+stored) and, when the proxies need gradients, writes d kl_loss / d q_proxy and each entry's
+tile of d kl_loss / d z (a first walk over the student alone finds its lse, the second
+recomputes the teacher once for the loss and both gradients); dk_proxy walks the transposed
+layout (per kv block, the query blocks that use it) and multiplies the tiles by q_proxy.
+The tiles take at most GRAD_TILE_BYTES at a time (chunks of query blocks), so both
+gradients leave the forward; the backward scales them by d loss / d kl_loss. With q_blocks (context
 parallelism) the queries are some query blocks of the sequence the keys hold whole: local
 query block b sits at global query block q_blocks[b], where causality and documents see it.
 With query_masks (per-token selections, as the main attention's query_masks) token i sees
@@ -468,7 +470,7 @@ def _kl_forward(
     )
     arguments = _kernel_arguments(q_proxy, k_proxy, q, k, lse, documents, q_blocks, layout,
                                   (proxy_softmax_scale, softmax_scale))  # fmt: skip
-    batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
+    batch, seq_len, heads_proxy, _ = q_proxy.shape
     lse_proxy = lse.new_empty(batch, heads_proxy, seq_len)
     kl_rows = torch.empty_like(lse_proxy)
     grad_q_proxy = torch.empty_like(q_proxy) if with_grad else q_proxy.new_empty(0)

@@ -1,6 +1,6 @@
-"""proxy_kl_loss's kernels for Hopper (sm_90) in Gluon: the rows kernel (the loss, the
-student's lse and d kl_loss / d q_proxy of kl.py's rows kernel) and the dk_proxy kernel (d
-kl_loss / d k_proxy), with the teacher's products on asynchronous warpgroup MMAs that run
+"""proxy_kl_loss's rows kernel for Hopper (sm_90) in Gluon: the loss, the student's lse,
+d kl_loss / d q_proxy and the tiles of d kl_loss / d z that kl.py's dk_proxy kernel reads,
+as kl.py's rows kernel, with the teacher's products on asynchronous warpgroup MMAs that run
 under the exponentials.
 
 A program owns one query block of TOKENS tokens and one proxy head, and walks the block's
@@ -23,21 +23,11 @@ Three partitions of warps share the program (gl.warp_specialize):
 Per (key, token) a consumer keeps its sums over the walk in registers (the cross term
 t (log t - z), the teacher's sum, and without the gradient the student's running max and
 sum of exponentials) and reduces them over its keys once at the end; the second consumer
-hands its sums to the first through shared memory. With the q_proxy gradient a first walk
-over the student alone finds its lse (the two consumers exchange their halves), and the
-second adds (s - t) k_proxy per block, a product [D_p, TOKENS] of the key tile, transposed,
-and (s - t) stored in shared memory.
-
-The dk_proxy kernel turns the walk around: a program owns one kv block and one proxy key
-head and walks, for each proxy head reading that key head, the query blocks that selected
-the block (the transposed layout's column), keeping its K and k_proxy tiles in shared memory
-and d k_proxy [64 keys, D_p] per consumer in registers, so no program writes another's rows
-(no atomics). The producer warp streams each entry's query side into a 2-deep ring: the
-group's query rows by TMA as CHUNKS boxes [CHUNK_HEADS heads, TOKENS tokens, D] of a
-[B, H_q, S, D] view (head-major rows, as the rows kernel's chunks), the q_proxy rows, and the
-group's lse and the head's lse_proxy by plain loads. The consumers run the teacher's chunks
-as the rows kernel does, and at an entry's end (s - t) [64 keys, TOKENS], from registers as
-the A operand, times the entry's q_proxy rows into d k_proxy.
+hands its sums to the first through shared memory. With the gradient a first walk over the
+student alone finds its lse (the two consumers exchange their halves), and the second
+stores (s - t) / N [64 keys, TOKENS] in shared memory, adds its product with the key tile,
+transposed, into d q_proxy [D_p, TOKENS] and sends it by a TMA store to the entry's
+gradient tile.
 
 Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than TOKENS,
 kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
