@@ -213,7 +213,8 @@ def test_tiles_of_part_of_a_query_block(poisoned_allocations):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_all_ones_words_equal_no_masks(backend, poisoned_allocations):
     """Every bit set (padding rows of the ragged last block too) is the call without masks:
-    the same blocks, the same element masks, bitwise."""
+    the same blocks, the same element masks, bitwise (the gradients to float64's last bits
+    where the backward adds with atomics: the torch backend on CUDA)."""
     layout = patterns.random_blocks(100, 2, seed=4, q_block=32, kv_block=16, device=DEVICE)
     layout = layout | patterns.sliding_window(100, 20, q_block=32, kv_block=16, device=DEVICE)
     tensors = random_qkv(1, 100, 4, 16, heads_kv=2, dtype=DTYPE[backend], device=DEVICE, seed=4)
@@ -222,9 +223,13 @@ def test_all_ones_words_equal_no_masks(backend, poisoned_allocations):
     options = dict(causal=True)
     with_masks = run(backend, tensors, layout, ones, options, grad_out)
     without = run(backend, tensors, layout, None, options, grad_out)
+    repeatable = DEVICE in registry.get(backend).deterministic
     for label, got, exact in zip(("out", "lse", "dq", "dk", "dv"), with_masks, without,
                                  strict=True):  # fmt: skip
-        assert torch.equal(got, exact), label
+        if repeatable or label in ("out", "lse"):
+            assert torch.equal(got, exact), label
+        else:
+            assert relative_error(got, exact) < 1e-13, label
 
 
 def test_varlen_takes_query_masks(poisoned_allocations):
