@@ -7,8 +7,9 @@ packing, documents and dropout, TMA and pointer loads); msa: the MSA kernels (bl
 scores, the KL's rows and dk_proxy kernels); gluon (on an sm_90 GPU): the Gluon forward and
 its backward in each dQ mode (ragged lengths, GQA, a window, documents; tiles of 128
 queries and of 2 packed heads x 64 positions), and per-token MSA's Gluon selection and KL
-rows kernel (with its TMA stores of the gradient tiles). The Triton attention kernels run one explicit config each;
-msa_func's autotuned kernels try every config of their lists under the tool.
+rows kernel (with its TMA stores of the gradient tiles). The Triton attention kernels run
+one explicit config each; msa_func's autotuned kernels try every config of their lists
+under the tool.
 """
 
 from __future__ import annotations
