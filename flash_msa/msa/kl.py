@@ -411,28 +411,29 @@ def _chunks(layout: BlockLayout, row_offsets: torch.Tensor, batch: int, heads_pr
             tile_bytes: int | None):  # fmt: skip
     """The KL's launches: (layout row, first and end query block, first and end entry,
     first batch, batches, first proxy head) per chunk of a layout row's query blocks, read by
-    batches x H_p / layout_heads copies (the (batch, proxy head) pairs sharing the row).
-    Without tile_bytes a chunk is a whole row (its entries are not read: 0, 0); with it
-    (bytes of one entry's gradient tile) a chunk's tiles, for all its copies, take at most
-    GRAD_TILE_BYTES, or one query block's where one takes more (row_offsets read once on the
-    host); none for a batch of 0."""
+    batches x H_p / layout_heads copies (the (batch, proxy head) pairs sharing the row);
+    none for a batch of 0. A chunk is a whole row, its tiles indexed by the layout's entries,
+    without tile_bytes (no gradient) or where the whole layout's tiles (tile_bytes each, for
+    every copy) take at most GRAD_TILE_BYTES; else its tiles take at most GRAD_TILE_BYTES,
+    or one query block's where one takes more (row_offsets read once on the host)."""
     if batch == 0:
         return
     num_q_blocks, per_layout = layout.num_q_blocks, heads_proxy // layout.layout_heads
     batches = batch if layout.layout_batch == 1 else 1
+    most = None if tile_bytes is None else GRAD_TILE_BYTES // (batches * per_layout * tile_bytes)
     offsets = None
-    if tile_bytes is not None:
+    if most is not None and layout.nnz > most:
         offsets = row_offsets.view(-1, num_q_blocks + 1).cpu().numpy()
-        most = max(1, GRAD_TILE_BYTES // (batches * per_layout * tile_bytes))
     for row in range(layout.num_layouts):
         first_batch = 0 if layout.layout_batch == 1 else row // layout.layout_heads
         rows = (first_batch, batches, (row % layout.layout_heads) * per_layout)
         if offsets is None:
-            yield row, 0, num_q_blocks, 0, 0, *rows
+            yield row, 0, num_q_blocks, 0, layout.nnz, *rows
             continue
         row_offsets_host, block = offsets[row], 0
         while block < num_q_blocks:
-            end = int(np.searchsorted(row_offsets_host, row_offsets_host[block] + most, "right"))
+            end = int(np.searchsorted(row_offsets_host, row_offsets_host[block] + max(most, 1),
+                                      "right"))  # fmt: skip
             end = min(max(end - 1, block + 1), num_q_blocks)
             yield (row, block, end, int(row_offsets_host[block]), int(row_offsets_host[end]),
                    *rows)  # fmt: skip
