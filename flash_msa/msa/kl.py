@@ -276,6 +276,19 @@ def _kl_rows_kernel(
 
 
 @triton.jit
+def _first_at_least(values, low, high, bound):
+    """The first index in [low, high) of ascending values whose value is at least bound
+    (high if none)."""
+    while low < high:
+        middle = (low + high) // 2
+        if tl.load(values + middle) < bound:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+@triton.jit
 def _kl_dk_proxy_kernel(
     grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices, t_entries,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_gk_b, stride_gk_s, stride_gk_h,
@@ -302,19 +315,21 @@ def _kl_dk_proxy_kernel(
     keys = tl.arange(0, KV_BLOCK)  # [N]
     qp_base = q_proxy + batch * stride_qp_b + head * stride_qp_h
     grad_k = tl.zeros((KV_BLOCK, PROXY_DIM_PAD), tl.float32)
-    taken_rows = 0
-    for entry in range(first, last, ENTRIES):
+    # The column lists its query blocks in order, and so their entries: the chunk's are the
+    # run [start, end) that two binary searches find.
+    start = _first_at_least(t_entries, first, last, entry_start)
+    end = _first_at_least(t_entries, start, last, entry_start + chunk_entries)
+    for entry in range(start, end, ENTRIES):
         entries = entry + slots // Q_BLOCK  # [M]
-        tile = tl.load(t_entries + entries, mask=entries < last, other=-1) - entry_start
-        taken = (tile >= 0) & (tile < chunk_entries)  # [M]: the chunk's entries
+        taken = entries < end
+        tile = tl.load(t_entries + entries, mask=taken, other=0) - entry_start  # [M]
         rows = tl.load(t_col_indices + entries, mask=taken, other=0) * Q_BLOCK + offsets
         tiles = grad_tiles + (copy * chunk_entries + tile) * (KV_BLOCK * Q_BLOCK) + offsets
         grad_z = tl.load(tiles[None, :] + keys[:, None] * Q_BLOCK, mask=taken[None, :],
                          other=0.0)  # fmt: skip  # [N, M]
         qp_tile = _load_rows(qp_base, rows, stride_qp_s, query_len, PROXY_DIM, PROXY_DIM_PAD)
         grad_k = tl.dot(grad_z, qp_tile, grad_k, input_precision=DOT_PRECISION)
-        taken_rows += tl.sum(taken.to(tl.int32), axis=0)
-    if taken_rows > 0:
+    if end > start:
         dims = tl.arange(0, PROXY_DIM_PAD)
         cols = block * KV_BLOCK + keys
         pointers = (grad_k_proxy + batch * stride_gk_b + key_head * stride_gk_h
