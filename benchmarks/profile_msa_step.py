@@ -1,13 +1,17 @@
-"""Where one MSA training step (bench_msa's: msa_func forward + backward) spends its GPU time:
-torch.profiler's table of two steps, ops and kernels by CUDA time.
+"""Where one MSA training step (bench_msa's: msa_func forward + backward, local proxies) spends
+its GPU time: torch.profiler's table of two steps, ops and kernels by CUDA time; with
+--memory, where its peak memory goes instead: the allocations the step made that are alive
+at its peak, summed by their flash_msa call site (the rest of the peak is what the caller
+holds: the inputs and dout).
 
     python3 benchmarks/profile_msa_step.py [--seq-len 1m] [--granularity token] [--q-block 8]
-        [--fp8-scores] [--rows 30]
+        [--fp8-scores] [--rows 30] [--memory]
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 
 import torch
 from bench_msa import KV_BLOCK, TOP_K, random_inputs
@@ -25,6 +29,7 @@ def main() -> None:
     parser.add_argument("--q-block", type=int, default=8)
     parser.add_argument("--fp8-scores", action="store_true")
     parser.add_argument("--rows", type=int, default=30, help="ops listed")
+    parser.add_argument("--memory", action="store_true", help="the peak's allocations")
     args = parser.parse_args()
     inputs = random_inputs(args.seq_len, torch.device("cuda"), "local")
     leaves = [inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v")]
@@ -40,13 +45,59 @@ def main() -> None:
 
     step()  # compiles
     torch.cuda.synchronize()
+    print(f"===== S {args.seq_len:,}, {options}, local proxies")
+    if args.memory:
+        print_peak_allocations(step)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    print(f"===== S {args.seq_len:,}, {options}, local proxies: 2 steps profiled")
+    print("2 steps profiled")
     print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=70))  # fmt: skip
+
+
+def print_peak_allocations(step, smallest: int = 1 << 24) -> None:
+    """The allocations of one step() alive at its peak, summed by call site (peak_sites),
+    those of at least smallest bytes."""
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, sites = peak_sites(trace)
+    whole = torch.cuda.max_memory_allocated() / 2**30
+    print(f"peak allocated {whole:.3f} GiB, of which the step's own allocations "
+          f"{peak / 2**30:.3f} GiB (the rest: what the caller holds)")  # fmt: skip
+    for site, (size, count) in sites.items():
+        if size >= smallest:
+            print(f"{size / 2**30:8.3f} GiB {count:5d} x  {site}")
+
+
+def peak_sites(trace: list[dict]) -> tuple[int, dict[str, list[int]]]:
+    """(peak, sites) of an allocator trace (torch.cuda.memory._snapshot's device_traces): peak
+    the largest sum of the trace's own live allocations (those it frees but did not make are
+    left out), sites each call site's [bytes, allocations] alive then, largest first; a call
+    site is an allocation's first three flash_msa frames."""
+    live, current, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+        if current > peak:
+            peak, at_peak = current, dict(live)
+    sites = defaultdict(lambda: [0, 0])
+    for event in at_peak.values():
+        frames = [frame for frame in event.get("frames", []) if "flash_msa/" in frame["filename"]]
+        site = "; ".join(f"{frame['filename'].split('flash_msa/')[-1]}:{frame['line']} "
+                         f"{frame['name']}" for frame in frames[:3])  # fmt: skip
+        sites[site or "(no flash_msa frame)"][0] += event["size"]
+        sites[site or "(no flash_msa frame)"][1] += 1
+    return peak, dict(sorted(sites.items(), key=lambda item: -item[1][0]))
 
 
 if __name__ == "__main__":

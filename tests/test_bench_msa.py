@@ -92,3 +92,26 @@ def test_the_computed_tiles_cell_counts_whole_blocks_of_the_layout(bench_msa):
     assert bench_msa.computed_cell(record) == "710.0 (0.500)"
     del record["attended_pairs"]  # a record from before the key was kept
     assert bench_msa.computed_cell(record) == "-"
+
+
+def test_peak_sites_sum_the_allocations_alive_at_the_peak(monkeypatch):
+    """profile_msa_step's trace walk: the peak counts the trace's own allocations only (a free
+    of an earlier one is left out), and its sites are those alive at the peak, largest
+    first."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    peak_sites = importlib.import_module("profile_msa_step").peak_sites
+
+    def frame(site):
+        return [{"filename": f"/x/flash_msa/{site}.py", "line": 1, "name": "f"}]
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frame("a")},
+        {"action": "free_completed", "addr": 9, "size": 500},  # made before the trace
+        {"action": "alloc", "addr": 2, "size": 300, "frames": frame("b")},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": frame("a")},
+        {"action": "free_completed", "addr": 2, "size": 300},
+        {"action": "alloc", "addr": 4, "size": 200, "frames": []},
+    ]
+    peak, sites = peak_sites(trace)
+    assert peak == 450
+    assert sites == {"b.py:1 f": [300, 1], "a.py:1 f": [150, 2]}
