@@ -39,7 +39,7 @@ from flash_msa.ops.interface import (
     check_query_masks,
     check_softmax_scale,
 )
-from flash_msa.ops.triton.common import strides
+from flash_msa.ops.triton.common import first_at_least, strides
 from flash_msa.patterns.topk import check_query_blocks
 from flash_msa.sequences import check_document_ids
 
@@ -276,19 +276,6 @@ def _kl_rows_kernel(
 
 
 @triton.jit
-def _first_at_least(values, low, high, bound):
-    """The first index in [low, high) of ascending values whose value is at least bound
-    (high if none)."""
-    while low < high:
-        middle = (low + high) // 2
-        if tl.load(values + middle) < bound:
-            low = middle + 1
-        else:
-            high = middle
-    return low
-
-
-@triton.jit
 def _kl_dk_proxy_kernel(
     grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices, t_entries,
     stride_qp_b, stride_qp_s, stride_qp_h, stride_gk_b, stride_gk_s, stride_gk_h,
@@ -317,8 +304,8 @@ def _kl_dk_proxy_kernel(
     grad_k = tl.zeros((KV_BLOCK, PROXY_DIM_PAD), tl.float32)
     # The column lists its query blocks in order, and so their entries: the chunk's are the
     # run [start, end) that two binary searches find.
-    start = _first_at_least(t_entries, first, last, entry_start)
-    end = _first_at_least(t_entries, start, last, entry_start + chunk_entries)
+    start = first_at_least(t_entries, first, last, entry_start)
+    end = first_at_least(t_entries, start, last, entry_start + chunk_entries)
     for entry in range(start, end, ENTRIES):
         entries = entry + slots // Q_BLOCK  # [M]
         taken = entries < end

@@ -20,6 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from flash_msa import _env
+from flash_msa.ops.triton.common import first_at_least
 
 KV_BLOCK = 128  # keys of a walking program
 KV_BLOCK_CONSTEXPR: gl.constexpr = gl.constexpr(KV_BLOCK)
@@ -51,16 +52,9 @@ def aligned_shift(col_indices, start, end, kv_block, ALIGN: gl.constexpr,
     shift = 0
     if ALIGN > 0:
         boundary = (kv_block * KV_BLOCK_CONSTEXPR + ALIGN - 1) // ALIGN * ALIGN // QUERY_BLOCK
-        low = start
-        high = end
-        while low < high:
-            middle = (low + high) // 2
-            if gl.load(col_indices + middle) < boundary:
-                low = middle + 1
-            else:
-                high = middle
-        if low < end:
-            shift = low - start
+        first = first_at_least(col_indices, start, end, boundary)
+        if first < end:
+            shift = first - start
     return shift
 
 

@@ -64,6 +64,19 @@ def global_positions(first_row, rows, BLOCK: tl.constexpr, block_positions,
 
 
 @triton.jit
+def first_at_least(values, low, high, bound):
+    """The first index in [low, high) of ascending values whose value is at least bound
+    (high if none): a binary search, in Triton and Gluon kernels alike."""
+    while low < high:
+        middle = (low + high) // 2
+        if tl.load(values + middle) < bound:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+@triton.jit
 def element_offsets(rows, heads, stride_s, stride_h):
     """int64 element offsets of (row, head) rows: S * H * D may pass 2^31."""
     return rows.to(tl.int64) * stride_s + heads.to(tl.int64) * stride_h  # [R]
