@@ -52,4 +52,4 @@ def test_checkpointed_selection_runs_once_and_gradients_match(
                                strict=True):  # fmt: skip
         # The same kernels on the same selection: equal up to fp32 rounding (the interpreter's
         # sums are not bitwise repeatable across processes).
-        torch.testing.assert_close(got, want, msg=name)
+        torch.testing.assert_close(got, want, msg=lambda text, name=name: f"{name}: {text}")
