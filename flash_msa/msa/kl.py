@@ -24,6 +24,8 @@ its main attention used.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import triton
@@ -47,29 +49,14 @@ LOG2_E: tl.constexpr = tl.constexpr(_env.LOG2_E)
 
 
 @triton.jit
-def _tile(queries, keys, KEYS_AS_ROWS: tl.constexpr):
-    """queries [M] and keys [N] broadcast to a tile: [M, N] with queries as its rows (the rows
-    kernel), [N, M] with KEYS_AS_ROWS (dk_proxy, whose gradient is then a product of the tile
-    as it stands)."""
-    if KEYS_AS_ROWS:
-        query_tile, key_tile = queries[None, :], keys[:, None]
-    else:
-        query_tile, key_tile = queries[:, None], keys[None, :]
-    return query_tile, key_tile
-
-
-@triton.jit
-def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr,
-             KEYS_AS_ROWS: tl.constexpr):  # fmt: skip
-    """bool tile (see _tile): key col is causal for query row, both inside the sequence and,
-    with documents (int32 [S] of this batch row), in the same document."""
-    queries, keys = _tile(rows, cols, KEYS_AS_ROWS)
-    visible = (keys <= queries) & (queries < seq_len)
+def _visible(rows, cols, seq_len, documents, HAS_DOCUMENTS: tl.constexpr):
+    """bool [M, N]: key col is causal for query row, both inside the sequence and, with
+    documents (int32 [S] of this batch row), in the same document."""
+    visible = (cols[None, :] <= rows[:, None]) & (rows[:, None] < seq_len)
     if HAS_DOCUMENTS:
         doc_rows = tl.load(documents + rows, mask=rows < seq_len, other=-1)
         doc_cols = tl.load(documents + cols, mask=cols < seq_len, other=-2)
-        query_documents, key_documents = _tile(doc_rows, doc_cols, KEYS_AS_ROWS)
-        visible &= query_documents == key_documents
+        visible &= doc_rows[:, None] == doc_cols[None, :]
     return visible
 
 
@@ -108,9 +95,9 @@ def _teacher(
     q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible, seq_len,
     group, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_AS_ROWS: tl.constexpr,
-    GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+    GROUP_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """t fp32 tile (see _tile): the main attention probabilities averaged over the group's
+    """t fp32 [M, N]: the main attention probabilities averaged over the group's
     query heads (q_group, lse_group point at the group's first head), 0 where not visible;
     rows are any query rows (M >= 2). HEADS_AS_ROWS: rows is one token (M = 1; queries as
     rows), whose group's heads make the rows of the products."""
@@ -133,23 +120,15 @@ def _teacher(
                 q_group + head * stride_q_h, rows, stride_q_s, seq_len, HEAD_DIM, HEAD_DIM_PAD
             )
             lse = tl.load(lse_group + head * stride_lse_h + rows, mask=rows < seq_len, other=0.0)
-            if KEYS_AS_ROWS:
-                logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PRECISION)
-                lse = lse[None, :]
-            else:
-                logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
-                lse = lse[:, None]
-            teacher += tl.exp2(logits * qk_scale_log2 - lse * LOG2_E)
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+            teacher += tl.exp2(logits * qk_scale_log2 - lse[:, None] * LOG2_E)
     return tl.where(visible, teacher / group, 0.0)
 
 
 @triton.jit
-def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr,
-                    KEYS_AS_ROWS: tl.constexpr):  # fmt: skip
-    """z fp32 tile (see _tile), the scaled proxy logits; -inf where not visible."""
-    if KEYS_AS_ROWS:
-        logits = tl.dot(kp_tile, tl.trans(qp_tile), input_precision=DOT_PRECISION)
-    elif qp_tile.shape[0] > 1:  # tl.dot pads small tiles on tensor cores
+def _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION: tl.constexpr):
+    """z fp32 [M, N], the scaled proxy logits; -inf where not visible."""
+    if qp_tile.shape[0] > 1:  # tl.dot pads small tiles on tensor cores
         logits = tl.dot(qp_tile, tl.trans(kp_tile), input_precision=DOT_PRECISION)
     else:  # a query block of one token
         logits = tl.sum(qp_tile.to(tl.float32)[:, None, :] * kp_tile.to(tl.float32)[None, :, :], 2)
@@ -220,11 +199,11 @@ def _kl_rows_kernel(
     if GRAD:  # the student's lse first: the gradient needs it in the walk below
         for entry in range(start, end):
             cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS, False)
+            visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
             if HAS_QUERY_MASKS:
                 visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
             kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
-            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, False)
+            logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         seen = running_sum != 0  # != : a NaN input stays NaN
         lse_p = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("inf"))
@@ -234,16 +213,16 @@ def _kl_rows_kernel(
     teacher_sum = tl.zeros((Q_BLOCK,), tl.float32)
     for entry in range(start, end):
         cols = tl.load(col_indices + entry) * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [N]
-        visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS, False)
+        visible = _visible(positions, cols, seq_len, documents, HAS_DOCUMENTS)
         if HAS_QUERY_MASKS:
             visible &= _selected(query_masks, entry, Q_BLOCK)[:, None]
         kp_tile = _load_rows(kp_base, cols, stride_kp_s, seq_len, PROXY_DIM, PROXY_DIM_PAD)
         k_tile = _load_rows(k_base, cols, stride_k_s, seq_len, HEAD_DIM, HEAD_DIM_PAD)
-        logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION, False)
+        logits = _student_logits(qp_tile, kp_tile, visible, proxy_scale, DOT_PRECISION)
         teacher = _teacher(
             q_group, stride_q_s, stride_q_h, lse_group, stride_lse_h, k_tile, rows, visible,
             query_len, group, qk_scale_log2, HEAD_DIM, HEAD_DIM_PAD, Q_BLOCK == 1, GROUP_PAD,
-            DOT_PRECISION, False,
+            DOT_PRECISION,
         )  # fmt: skip
         if GRAD:  # lse_p is +inf on rows that see no key: their student is 0
             student = tl.exp(logits - lse_p[:, None])  # 0 where not visible
@@ -409,10 +388,30 @@ def _divisor(reduction: str, terms: int) -> int:
 GRAD_TILE_BYTES = 1 << 30  # the most memory the tiles of d kl_loss / d z take at once
 
 
+class _Chunk(NamedTuple):
+    """One launch of the KL's kernels: query blocks [block_start, block_end) of layout row
+    layout_row, whose entries are [entry_start, entry_end), for `batches` batch elements
+    from batch_base and the row's proxy heads from head_base."""
+
+    layout_row: int
+    block_start: int
+    block_end: int
+    entry_start: int
+    entry_end: int
+    batch_base: int
+    batches: int
+    head_base: int
+
+    def arguments(self) -> dict:
+        """The kernels' chunk arguments."""
+        return dict(layout_row=self.layout_row, block_start=self.block_start,
+                    entry_start=self.entry_start, chunk_entries=self.entry_end - self.entry_start,
+                    batch_base=self.batch_base, head_base=self.head_base)  # fmt: skip
+
+
 def _chunks(layout: BlockLayout, row_offsets: torch.Tensor, batch: int, heads_proxy: int,
             tile_bytes: int | None):  # fmt: skip
-    """The KL's launches: (layout row, first and end query block, first and end entry,
-    first batch, batches, first proxy head) per chunk of a layout row's query blocks, read by
+    """The KL's launches (_Chunk), chunks of a layout row's query blocks read by
     batches x H_p / layout_heads copies (the (batch, proxy head) pairs sharing the row);
     none for a batch of 0. A chunk is a whole row, its tiles indexed by the layout's entries,
     without tile_bytes (no gradient) or where the whole layout's tiles (tile_bytes each, for
@@ -430,15 +429,15 @@ def _chunks(layout: BlockLayout, row_offsets: torch.Tensor, batch: int, heads_pr
         first_batch = 0 if layout.layout_batch == 1 else row // layout.layout_heads
         rows = (first_batch, batches, (row % layout.layout_heads) * per_layout)
         if offsets is None:
-            yield row, 0, num_q_blocks, 0, layout.nnz, *rows
+            yield _Chunk(row, 0, num_q_blocks, 0, layout.nnz, *rows)
             continue
         row_offsets_host, block = offsets[row], 0
         while block < num_q_blocks:
             end = int(np.searchsorted(row_offsets_host, row_offsets_host[block] + max(most, 1),
                                       "right"))  # fmt: skip
             end = min(max(end - 1, block + 1), num_q_blocks)
-            yield (row, block, end, int(row_offsets_host[block]), int(row_offsets_host[end]),
-                   *rows)  # fmt: skip
+            yield _Chunk(row, block, end, int(row_offsets_host[block]),
+                         int(row_offsets_host[end]), *rows)  # fmt: skip
             block = end
 
 
@@ -485,19 +484,18 @@ def _kl_forward(
                           tile_size * q_proxy.element_size() if with_grad else None))
     per_layout = heads_proxy // layout.layout_heads
     # The largest chunk's tiles (one unread tile without the gradient: TMA needs a view).
-    tiles = [batches * per_layout * (end - start) for _, _, _, start, end, _, batches, _ in chunks]
+    tiles = [chunk.batches * per_layout * (chunk.entry_end - chunk.entry_start)
+             for chunk in chunks]  # fmt: skip
     grad_tiles = q_proxy.new_empty(max([1, *tiles]) * tile_size if with_grad else tile_size)
     gluon_kernels = kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block,
                                       documents is not None, q_blocks is not None)  # fmt: skip
-    for row, block, end_block, start, end, first_batch, batches, first_head in chunks:
-        chunk = dict(layout_row=row, block_start=block, entry_start=start,
-                     chunk_entries=end - start, batch_base=first_batch, head_base=first_head)
-        grid = (end_block - block, batches * per_layout)
+    for chunk in chunks:
+        grid = (chunk.block_end - chunk.block_start, chunk.batches * per_layout)
         if gluon_kernels:
             kl_gluon.kl_rows(
                 q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, layout,
                 grad_scale, (lse_proxy, kl_rows, grad_q_proxy if with_grad else None, grad_tiles),
-                proxy_softmax_scale, softmax_scale, grid, chunk,
+                proxy_softmax_scale, softmax_scale, grid, chunk.arguments(),
             )  # fmt: skip
         else:
             _launch(_kl_rows_kernel, grid, num_stages("rows", layout.q_block), dict(
@@ -507,12 +505,12 @@ def _kl_forward(
                 num_q_blocks=layout.num_q_blocks,
                 query_masks=lse if query_masks is None else query_masks,
                 HAS_QUERY_MASKS=query_masks is not None,
-                GRAD=with_grad, num_warps=num_warps("rows", layout.q_block), **chunk,
-                **arguments,
+                GRAD=with_grad, num_warps=num_warps("rows", layout.q_block),
+                **chunk.arguments(), **arguments,
             ))  # fmt: skip
         if with_grad:
             _chunk_dk_proxy(grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices,
-                            t_entries, layout, chunk, batches, per_layout)  # fmt: skip
+                            t_entries, layout, chunk, per_layout)  # fmt: skip
     if with_grad:
         grad_k_proxy = (grad_k_proxy * proxy_softmax_scale).to(k_proxy.dtype)
     else:
@@ -521,23 +519,23 @@ def _kl_forward(
 
 
 def _chunk_dk_proxy(grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indices,
-                    t_entries, layout: BlockLayout, chunk: dict, batches: int,
+                    t_entries, layout: BlockLayout, chunk: _Chunk,
                     per_layout: int) -> None:  # fmt: skip
     """Add a chunk's tiles times their q_proxy rows to grad_k_proxy (fp32, unscaled): a
     launch per proxy head of the chunk's layout row, one after another (heads may share a
     key head)."""
     heads_proxy, heads_keys = q_proxy.shape[2], grad_k_proxy.shape[2]
     for copy_head in range(per_layout):
-        head = chunk["head_base"] + copy_head
-        _launch(_kl_dk_proxy_kernel, (layout.num_kv_blocks, batches),
+        head = chunk.head_base + copy_head
+        _launch(_kl_dk_proxy_kernel, (layout.num_kv_blocks, chunk.batches),
                 num_stages("dk_proxy", layout.q_block), dict(
             grad_tiles=grad_tiles, q_proxy=q_proxy, grad_k_proxy=grad_k_proxy,
             t_row_offsets=t_row_offsets, t_col_indices=t_col_indices, t_entries=t_entries,
             **strides("qp", q_proxy), **strides("gk", grad_k_proxy),
             query_len=q_proxy.shape[1], seq_len=grad_k_proxy.shape[1],
-            num_kv_blocks=layout.num_kv_blocks, layout_row=chunk["layout_row"],
-            entry_start=chunk["entry_start"], chunk_entries=chunk["chunk_entries"],
-            batch_base=chunk["batch_base"], head=head, copy_head=copy_head,
+            num_kv_blocks=layout.num_kv_blocks, layout_row=chunk.layout_row,
+            entry_start=chunk.entry_start, chunk_entries=chunk.entry_end - chunk.entry_start,
+            batch_base=chunk.batch_base, head=head, copy_head=copy_head,
             heads_per_layout=per_layout, key_head=head // (heads_proxy // heads_keys),
             PROXY_DIM=q_proxy.shape[3], PROXY_DIM_PAD=_env.head_dim_pad(q_proxy.shape[3]),
             Q_BLOCK=layout.q_block, KV_BLOCK=layout.kv_block,

@@ -555,15 +555,6 @@ def _key_descriptor(tensor: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [KV_BLOCK, dim], layout)
 
 
-def _head_major_descriptor(tensor: torch.Tensor, heads: int) -> TensorDescriptor:
-    """The TMA view [B, H, S, D] of contiguous queries [B, S, H, D] in boxes
-    [1, heads, TOKENS, D]: a box lands as [heads x TOKENS, D], head-major, zeros from S on."""
-    view = _aligned(tensor).permute(0, 2, 1, 3)
-    block = [1, heads, TOKENS, tensor.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[tensor.dtype])
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
-
-
 def _tile_descriptor(grad_tiles: torch.Tensor) -> TensorDescriptor:
     """The TMA view [tiles x 128 keys, TOKENS] of the gradient tiles (flat, contiguous) in
     boxes of one consumer's [64 keys, TOKENS]."""
