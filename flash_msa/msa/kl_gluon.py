@@ -60,10 +60,6 @@ HEAD_DIMS = (64, 128)
 GROUPS = (4, 8, 16)  # query heads a proxy head: 2 or 4 chunks (the walk takes two a step)
 DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 NUM_STAGES = 2  # K and k_proxy tiles in flight
-DK_NUM_STAGES = 2  # dk_proxy: entries in flight (each the group's query rows, [16 x G, D])
-# dk_proxy's producer computes the addresses of its lse loads: at 24 registers it spills.
-DK_CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(224)
-DK_PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(56)
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
 MAX_REGISTERS = 168  # 64K registers over 384 threads; setmaxnreg splits them as below
