@@ -1,7 +1,7 @@
 """One MSA training step (selection, main attention, KL) against dense cuDNN attention and
 FlexAttention on the same selected blocks, on one GPU.
 
-    python benchmarks/bench_msa.py [--seq-lens 32k,128k,1m] [--fp8-scores] [--out DIR]
+    python benchmarks/bench_msa.py [--seq-lens 32k,128k,1m] [--scores bf16,fp8] [--out DIR]
 
 bf16, B=1, H_q=64, H_kv=4, D=128; proxy H_p=4, H_pk=1, D_p=128; top_k 16, q_block 64,
 kv_block 128; causal. Per length and granularity ("token": each query token's blocks;
@@ -10,8 +10,7 @@ kl_loss.backward() in one pass) is timed whole and in parts: selection (msa.inte
 main attention (block_sparse_attn_func over the selection, forward + backward) and KL (the
 total minus those two: the KL loss forward + backward and the glue; the KL kernels alone,
 given the main lse, are timed too); records carry a `granularity` key, and a `scores` key
-("bf16", or "fp8": with --fp8-scores each variant runs again with score_dtype
-float8_e4m3fn).
+("bf16", or "fp8": score_dtype float8_e4m3fn; --scores picks which run).
 Dense cuDNN SDPA (fwd+bwd) is measured up to 128K and estimated beyond as the 128K time times
 (S / 128K)^2 (marked "estimated"). FlexAttention (compiled) runs the selected layout as a
 BlockMask with per-head kv indices [1, H_q, nq, nk] (common.flex_block_mask); where it fails
@@ -498,12 +497,14 @@ def main() -> None:
     )
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument(
-        "--fp8-scores", action="store_true", help="run each variant with FP8 scores too"
+        "--scores", default="bf16", help="score dtypes each variant runs with: bf16, fp8 or both"
     )
     parser.add_argument("--proxies", default="random", help=f"some of {','.join(PROXIES)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    scores_run = ["bf16", "fp8"] if args.fp8_scores else ["bf16"]
+    scores_run = args.scores.split(",")
+    if not scores_run or set(scores_run) - {"bf16", "fp8"}:
+        parser.error(f"--scores takes bf16, fp8 or bf16,fp8, got {args.scores!r}")
     granularities = args.granularities.split(",")
     variants = [
         (granularity, q_block, scores)
