@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
+from flash_msa.msa import (
+    select_tokens,
+    select_tokens_reference,
+    token_selection,
+    token_selection_layout,
+)
 from flash_msa.msa import token_selection_gluon as gluon_selection
 from flash_msa.msa.fp8 import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
@@ -315,14 +320,19 @@ def _layout_by_loops(selected, seq_len, q_block):
     return rows
 
 
+@pytest.mark.parametrize("union", ["kernel", "sort"])
 @pytest.mark.parametrize(
     "seq_len, q_block, kv_block, top_k, bounds",
     [(130, 16, 32, 3, None), (200, 64, 16, 4, (90,)), (100, 32, 128, 2, None),
-     (150, 1, 16, 3, (70,))],
+     (150, 1, 16, 3, (70,)), (300, 8, 16, 16, (150,))],
 )  # fmt: skip
-def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds):
+def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds, union,
+                                              poisoned, monkeypatch):  # fmt: skip
     """Selections of the reference (float64, CPU); q_block 64 sets bit 63 of the masks, q_block
-    1 has none (each row is one token's choices)."""
+    1 has none (each row is one token's choices). union "kernel": the tiles' unions from
+    _tile_union_kernel (the interpreter on the CPU); "sort": from one sort of every choice."""
+    if union == "sort":
+        monkeypatch.setattr(token_selection, "MAX_UNION_CANDIDATES", 0)
     q_proxy, k_proxy = _inputs(2, seq_len, 2, 1, 8, seed=seq_len, dtype=torch.float64,
                                device="cpu")  # fmt: skip
     document_ids = None if bounds is None else _documents(2, seq_len, bounds).cpu()
