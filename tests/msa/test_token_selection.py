@@ -122,6 +122,46 @@ def test_quantize_proxies_scales_rows_and_blocks():
     assert (error <= block_amax * 2**-4).all()
 
 
+def quantize_reference(q_proxy, k_proxy, kv_block):
+    """quantize_proxies in torch ops, rounding as the kernels do: a row's factor is
+    (1 / its largest magnitude) x 448, a factor's inverse its largest magnitude x fp32(1 / 448),
+    and keys are divided by their block's inverse factor."""
+    inverse = torch.tensor(1 / 448, dtype=torch.float32)
+    q_amax = q_proxy.abs().amax(-1, keepdim=True).float()
+    factor = torch.where(q_amax > 0, q_amax, 448.0).reciprocal() * 448.0
+    q8 = (q_proxy.float() * factor).to(FP8)
+    q_scales = torch.where(q_amax > 0, q_amax * inverse, 1.0)[..., 0]
+    batch, seq_len, heads_keys, _ = k_proxy.shape
+    blocks = -(-seq_len // kv_block)
+    key_amax = k_proxy.abs().amax(-1).float()
+    padded = torch.nn.functional.pad(key_amax, (0, 0, 0, blocks * kv_block - seq_len))
+    block_amax = padded.view(batch, blocks, kv_block, heads_keys).amax(2)
+    k_scales = torch.where(block_amax > 0, block_amax * inverse, 1.0)  # [B, blocks, H_pk]
+    key_scales = k_scales.repeat_interleave(kv_block, dim=1)[:, :seq_len, :, None]
+    k8 = (k_proxy.float() / key_scales).to(FP8)
+    return q8, q_scales, k8, k_scales.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(2, 70, 4, 2, 16, 32), (1, 300, 2, 1, 48, 128)], ids=str)
+def test_quantize_proxies_rounds_as_the_reference(shape, dtype, poisoned_allocations):
+    """The quantization kernels equal quantize_reference bit for bit: ragged last blocks, a
+    head dim that is not a power of two, strided proxies, zero rows and blocks."""
+    batch, seq_len, heads, heads_keys, dim, kv_block = shape
+    generator = torch.Generator().manual_seed(seq_len)
+    q_proxy = torch.randn(batch, heads, seq_len, dim, generator=generator).transpose(1, 2)
+    q_proxy = (q_proxy * 3).to(dtype)  # [B, S, H_p, D], strided
+    q_proxy[:, 5] = 0
+    k_proxy = (torch.randn(batch, seq_len, heads_keys, dim, generator=generator) * 5).to(dtype)
+    k_proxy[:, kv_block : 2 * kv_block] = 0  # block 1
+    q_proxy, k_proxy = q_proxy.to(DEVICE), k_proxy.to(DEVICE)
+    actual = quantize_proxies(q_proxy, k_proxy, kv_block)
+    expected = quantize_reference(q_proxy, k_proxy, kv_block)
+    for got, want in zip(actual, expected, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.float(), want.float())
+
+
 def test_fp8_scores_agree_with_fp32_on_most_choices():
     """On normal proxies FP8 keeps nearly every choice of fp32 scoring (only near ties differ)."""
     generator = torch.Generator().manual_seed(2)
