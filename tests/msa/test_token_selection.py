@@ -106,7 +106,8 @@ def test_quantize_proxies_scales_rows_and_blocks():
     q_proxy[:, 5] = 0
     k_proxy = torch.randn(2, 70, 2, 16, generator=generator) * 5
     k_proxy[:, 32:64] = 0  # block 1 of 32
-    q8, q_scales, k8, k_scales = quantize_proxies(q_proxy, k_proxy, 32)
+    quantized = quantize_proxies(q_proxy.to(DEVICE), k_proxy.to(DEVICE), 32)
+    q8, q_scales, k8, k_scales = (tensor.cpu() for tensor in quantized)
     assert (q8.dtype, k8.dtype) == (FP8, FP8)
     assert (q_scales.shape, k_scales.shape) == ((2, 70, 4), (2, 2, 3))
     rows = q8.float().abs().amax(-1)
