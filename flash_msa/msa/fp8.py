@@ -12,34 +12,114 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from flash_msa import _env
 
 FP8 = torch.float8_e4m3fn  # score_dtype of FP8 scoring
 
 
+ROWS = 32  # proxy query rows a program of _quantize_rows_kernel scales
+E4M3_LARGEST: tl.constexpr = tl.constexpr(448.0)  # torch.finfo(FP8).max
+# A factor's inverse is a product with 1 / 448 rounded to fp32; a row's factor the reciprocal
+# of its largest magnitude times 448.
+INVERSE_LARGEST: tl.constexpr = tl.constexpr(1 / 448)
+
+
+@triton.jit
+def _to_e4m3(values, dtype: tl.constexpr):
+    """fp32 values of magnitude at most 464 to e4m3 (dtype), rounded to nearest even: first
+    onto e4m3's grid in fp32 (steps of 2^(e - 3) for values in [2^e, 2^(e + 1)), 2^-9 below
+    2^-6), so that the conversion itself is exact (the Triton interpreter's does not carry
+    a rounding into the exponent)."""
+    exponent = (values.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased by 127
+    step_exponent = tl.maximum(exponent, 127 - 6) - 3
+    step = (step_exponent << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((254 - step_exponent) << 23).to(tl.float32, bitcast=True)
+    steps = values * inverse_step  # at most 16 in magnitude
+    steps = (steps + 12582912.0) - 12582912.0  # 1.5 x 2^23: rounds to an integer, ties even
+    return (steps * step).to(dtype)
+
+
+@triton.jit
+def _quantize_rows_kernel(q_proxy, q8, q_scales, rows, seq_len, heads, stride_b, stride_s,
+                          stride_h, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                          ROWS: tl.constexpr):  # fmt: skip
+    """ROWS (token, head) rows of q_proxy [B, S, H_p, D] (last stride 1), scaled so their
+    largest magnitude is 448, into q8 (contiguous like q_proxy) and their factors into
+    q_scales [B, S, H_p]."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]: b * S * H_p + s * H_p + h
+    dims = tl.arange(0, DIM_PAD)  # [DIM_PAD]
+    valid = row < rows
+    batch = (row // (seq_len * heads)).to(tl.int64)
+    token = (row // heads % seq_len).to(tl.int64)
+    offsets = batch * stride_b + token * stride_s + (row % heads) * stride_h  # [ROWS]
+    mask = valid[:, None] & (dims < DIM)[None, :]
+    values = tl.load(q_proxy + offsets[:, None] + dims[None, :], mask=mask, other=0.0)
+    values = values.to(tl.float32)  # [ROWS, DIM_PAD]
+    largest = tl.max(tl.abs(values), axis=1)  # [ROWS]
+    positive = largest > 0
+    factor = tl.math.div_rn(1.0, tl.where(positive, largest, E4M3_LARGEST)) * E4M3_LARGEST
+    quantized = _to_e4m3(values * factor[:, None], q8.dtype.element_ty)
+    tl.store(q8 + row.to(tl.int64)[:, None] * DIM + dims[None, :], quantized, mask=mask)
+    tl.store(q_scales + row, tl.where(positive, largest * INVERSE_LARGEST, 1.0), mask=valid)
+
+
+@triton.jit
+def _quantize_blocks_kernel(k_proxy, k8, k_scales, seq_len, heads_keys, stride_b, stride_s,
+                            stride_h, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                            KV_BLOCK: tl.constexpr):  # fmt: skip
+    """Grid (kv blocks, H_pk, B): one kv block of one key head of k_proxy [B, S, H_pk, D]
+    divided by its factor (its largest magnitude over 448) into k8 (contiguous like k_proxy),
+    the factor into k_scales [B, H_pk, kv blocks]."""
+    block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tokens = block * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [KV_BLOCK]
+    dims = tl.arange(0, DIM_PAD)  # [DIM_PAD]
+    mask = (tokens < seq_len)[:, None] & (dims < DIM)[None, :]
+    offsets = batch.to(tl.int64) * stride_b + tokens.to(tl.int64) * stride_s + head * stride_h
+    values = tl.load(k_proxy + offsets[:, None] + dims[None, :], mask=mask, other=0.0)
+    values = values.to(tl.float32)  # [KV_BLOCK, DIM_PAD]
+    largest = tl.max(tl.max(tl.abs(values), axis=1), axis=0)
+    scale = tl.where(largest > 0, largest * INVERSE_LARGEST, 1.0)
+    rows = (batch.to(tl.int64) * seq_len + tokens) * heads_keys + head  # [KV_BLOCK]
+    tl.store(k8 + rows[:, None] * DIM + dims[None, :],
+             _to_e4m3(tl.math.div_rn(values, scale), k8.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(k_scales + (batch * heads_keys + head) * tl.num_programs(0) + block, scale)
+
+
 def quantize_proxies(
     q_proxy: torch.Tensor, k_proxy: torch.Tensor, kv_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 scoring's inputs: (q8 like q_proxy, fp32 q_scales [B, S, H_p], k8 like k_proxy,
-    fp32 k_scales [B, H_pk, num_kv_blocks]), q8 and k8 float8_e4m3fn. q8 is each
-    (token, head) row of q_proxy over its largest magnitude times e4m3's largest value, 448,
-    and q8 * q_scales is q_proxy up to e4m3's rounding; k8 the same per kv block of each key
-    head, k8 * k_scales (repeated over a block's keys) is k_proxy. Zero rows and blocks keep
-    a factor of 1."""
-    largest = torch.finfo(FP8).max
-    q_amax = q_proxy.abs().amax(-1, keepdim=True).float()  # [B, S, H_p, 1]
-    q8 = (q_proxy.float() * (largest / torch.where(q_amax > 0, q_amax, largest))).to(FP8)
-    q_scales = torch.where(q_amax > 0, q_amax / largest, 1.0)[..., 0]  # [B, S, H_p]
-    batch, seq_len, heads_keys, _ = k_proxy.shape
+    fp32 k_scales [B, H_pk, num_kv_blocks]), q8 and k8 float8_e4m3fn and contiguous, in one
+    pass over each proxy. q8 is each (token, head) row of q_proxy times its factor, e4m3's
+    largest value (448) over the row's largest magnitude, and q8 * q_scales is q_proxy up to
+    e4m3's rounding; k8 each kv block of each key head divided by its largest magnitude over
+    448, k8 * k_scales (repeated over a block's keys) is k_proxy. Zero rows and blocks keep a
+    factor of 1. The proxies' last dimension has stride 1 (the callers see to it)."""
+    batch, seq_len, heads, dim = q_proxy.shape
+    heads_keys = k_proxy.shape[2]
     num_kv_blocks = math.ceil(seq_len / kv_block)
-    key_amax = k_proxy.abs().amax(-1).float()  # [B, S, H_pk]
-    padded = torch.nn.functional.pad(key_amax, (0, 0, 0, num_kv_blocks * kv_block - seq_len))
-    block_amax = padded.view(batch, num_kv_blocks, kv_block, heads_keys).amax(2)
-    k_scales = torch.where(block_amax > 0, block_amax / largest, 1.0)  # [B, blocks, H_pk]
-    key_scales = k_scales.repeat_interleave(kv_block, dim=1)[:, :seq_len, :, None]
-    k8 = (k_proxy.float() / key_scales).to(FP8)
-    return q8, q_scales, k8, k_scales.transpose(1, 2).contiguous()
+    q8 = torch.empty(q_proxy.shape, dtype=FP8, device=q_proxy.device)
+    q_scales = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_proxy.device)
+    k8 = torch.empty(k_proxy.shape, dtype=FP8, device=k_proxy.device)
+    k_scales = torch.empty(batch, heads_keys, num_kv_blocks, dtype=torch.float32,
+                           device=k_proxy.device)  # fmt: skip
+    if q8.numel():
+        rows = batch * seq_len * heads
+        _quantize_rows_kernel[(triton.cdiv(rows, ROWS),)](
+            q_proxy=q_proxy, q8=q8, q_scales=q_scales, rows=rows, seq_len=seq_len, heads=heads,
+            stride_b=q_proxy.stride(0), stride_s=q_proxy.stride(1), stride_h=q_proxy.stride(2),
+            DIM=dim, DIM_PAD=triton.next_power_of_2(dim), ROWS=ROWS,
+        )  # fmt: skip
+        _quantize_blocks_kernel[(num_kv_blocks, heads_keys, batch)](
+            k_proxy=k_proxy, k8=k8, k_scales=k_scales, seq_len=seq_len, heads_keys=heads_keys,
+            stride_b=k_proxy.stride(0), stride_s=k_proxy.stride(1), stride_h=k_proxy.stride(2),
+            DIM=dim, DIM_PAD=triton.next_power_of_2(dim), KV_BLOCK=kv_block,
+            num_warps=8 if kv_block * dim > 4096 else 4,
+        )  # fmt: skip
+    return q8, q_scales, k8, k_scales
 
 
 def check_score_dtype(score_dtype, device: torch.device) -> None:

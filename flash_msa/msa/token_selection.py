@@ -428,6 +428,83 @@ def _token_rows_layout(selected: torch.Tensor, seq_len_kv: int, kv_block: int) -
     )  # fmt: skip
 
 
+MAX_UNION_CANDIDATES = 1024  # q_block x top_k a program of _tile_union_kernel sorts
+_NO_BLOCK: tl.constexpr = tl.constexpr(1 << 62)  # a padding candidate's key: after every real one
+
+
+@triton.jit
+def _or_runs(start_a, bits_a, start_b, bits_b):
+    """Segmented OR of a scan: a run starts again where start is set."""
+    return start_a | start_b, tl.where(start_b != 0, bits_b, bits_a | bits_b)
+
+
+@triton.jit
+def _tile_union_kernel(selected, counts, row_offsets, col_indices, query_masks, seq_len,
+                       num_q_blocks, stride_l, stride_s, Q_BLOCK: tl.constexpr,
+                       TOP_K: tl.constexpr, CANDIDATES: tl.constexpr,
+                       WRITE: tl.constexpr):  # fmt: skip
+    """Grid (query tiles, B * H_p): the union of the blocks the tile's Q_BLOCK tokens chose
+    (selected [L, S, TOP_K], rows ascending, -1 padding), as keys block x 64 + token sorted
+    in registers: a run of one block's keys is one entry, its tokens' bits OR-ed over the
+    run. Without WRITE each tile's entry count goes to counts [L, nq]; with it the entries
+    go to col_indices and query_masks from the tile's offset on (row_offsets [L * nq + 1]:
+    the counts' exclusive sums), ascending."""
+    tile = tl.program_id(0)
+    layout = tl.program_id(1)
+    candidate = tl.arange(0, CANDIDATES)  # [CANDIDATES]: token x TOP_K + slot
+    token = candidate // TOP_K  # the tile's
+    position = tile * Q_BLOCK + token
+    valid = (candidate < Q_BLOCK * TOP_K) & (position < seq_len)
+    blocks = tl.load(selected + layout.to(tl.int64) * stride_l + position.to(tl.int64) * stride_s
+                     + candidate % TOP_K, mask=valid, other=-1)  # fmt: skip
+    keys = tl.sort(tl.where(blocks >= 0, blocks.to(tl.int64) * 64 + token, _NO_BLOCK))
+    real = keys < _NO_BLOCK
+    previous = tl.gather(keys, tl.maximum(candidate - 1, 0), 0)
+    starts = real & ((candidate == 0) | ((previous >> 6) != (keys >> 6)))  # a block's first
+    if WRITE:
+        following = tl.gather(keys, tl.minimum(candidate + 1, CANDIDATES - 1), 0)
+        ends = real & ((candidate == CANDIDATES - 1) | ((following >> 6) != (keys >> 6)))
+        entry = tl.cumsum(starts.to(tl.int32), 0) - 1  # [CANDIDATES]: the run's, in the row
+        bits = tl.full([CANDIDATES], 1, tl.int64) << (keys & 63)
+        _, words = tl.associative_scan((starts.to(tl.int32), bits), 0, _or_runs)
+        first = tl.load(row_offsets + layout * num_q_blocks + tile).to(tl.int64)
+        tl.store(col_indices + first + entry, (keys >> 6).to(tl.int32), mask=ends)
+        tl.store(query_masks + first + entry, words, mask=ends)
+    else:
+        tl.store(counts + layout * num_q_blocks + tile, tl.sum(starts.to(tl.int32), 0))
+
+
+def _tile_union_layout(selected: torch.Tensor, seq_len: int, seq_len_kv: int, q_block: int,
+                       kv_block: int) -> tuple[BlockLayout, torch.Tensor]:  # fmt: skip
+    """token_selection_layout's result from two launches of _tile_union_kernel (the entry
+    counts, then the entries at their row offsets) and one read of the total from the device."""
+    batch, heads, _, top_k = selected.shape
+    layouts, num_q_blocks = batch * heads, math.ceil(seq_len / q_block)
+    rows = selected.reshape(layouts, -1, top_k).contiguous()
+    options = dict(selected=rows, seq_len=seq_len, num_q_blocks=num_q_blocks,
+                   stride_l=rows.stride(0), stride_s=rows.stride(1), Q_BLOCK=q_block,
+                   TOP_K=top_k, CANDIDATES=triton.next_power_of_2(q_block * top_k))  # fmt: skip
+    counts = torch.empty(layouts, num_q_blocks, dtype=torch.int32, device=selected.device)
+    grid = (num_q_blocks, layouts)
+    if counts.numel():
+        _tile_union_kernel[grid](counts=counts, row_offsets=counts, col_indices=counts,
+                                 query_masks=counts, WRITE=False, **options)  # fmt: skip
+    offsets = torch.cat([counts.new_zeros(1), counts.flatten().cumsum(0, dtype=torch.int32)])
+    nnz = int(offsets[-1])
+    # Row l is offsets[l * nq : (l + 1) * nq + 1]: consecutive rows share their boundary.
+    row_offsets = offsets.as_strided((layouts, num_q_blocks + 1), (num_q_blocks, 1))
+    col_indices = torch.empty(nnz, dtype=torch.int32, device=selected.device)
+    query_masks = torch.empty(nnz, dtype=torch.int64, device=selected.device)
+    if nnz:
+        _tile_union_kernel[grid](counts=counts, row_offsets=offsets, col_indices=col_indices,
+                                 query_masks=query_masks, WRITE=True, **options)  # fmt: skip
+    layout = BlockLayout(
+        row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len_kv, q_block=q_block,
+        kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
+    )  # fmt: skip
+    return layout, query_masks
+
+
 def token_selection_layout(
     selected: torch.Tensor,
     *,
@@ -456,8 +533,10 @@ def token_selection_layout(
             r * q_block + t of the row selected that block; None for q_block 1 (every row
             is one token and reads all of its blocks).
 
-    Memory is O(B * H_p * S * top_k): the selected entries are ranked by one sort (for
-    q_block 1 they are the layout as they are).
+    Memory is O(B * H_p * S * top_k). Where Triton runs and a tile holds at most
+    MAX_UNION_CANDIDATES choices, _tile_union_kernel sorts each tile's choices in registers
+    (two launches, and the entry count read once from the device); elsewhere one sort of
+    every choice ranks them (for q_block 1 they are the layout as they are).
     """
     seq_len_kv = seq_len if seq_len_kv is None else seq_len_kv
     if not isinstance(check, bool):
@@ -468,6 +547,8 @@ def token_selection_layout(
     batch, heads, _, top_k = selected.shape
     if q_block == 1:
         return _token_rows_layout(selected, seq_len_kv, kv_block), None
+    if _env.can_run_triton(selected.device) and q_block * top_k <= MAX_UNION_CANDIDATES:
+        return _tile_union_layout(selected, seq_len, seq_len_kv, q_block, kv_block)
     num_q_blocks = math.ceil(seq_len / q_block)
     device = selected.device
     layouts = torch.arange(batch * heads, device=device)[:, None]  # [L, 1]

@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from flash_msa.msa import select_tokens, select_tokens_reference, token_selection_layout
+from flash_msa.msa import (
+    select_tokens,
+    select_tokens_reference,
+    token_selection,
+    token_selection_layout,
+)
 from flash_msa.msa import token_selection_gluon as gluon_selection
 from flash_msa.msa.fp8 import FP8, quantize_proxies
 from flash_msa.sequences import document_ids_of
@@ -101,7 +106,8 @@ def test_quantize_proxies_scales_rows_and_blocks():
     q_proxy[:, 5] = 0
     k_proxy = torch.randn(2, 70, 2, 16, generator=generator) * 5
     k_proxy[:, 32:64] = 0  # block 1 of 32
-    q8, q_scales, k8, k_scales = quantize_proxies(q_proxy, k_proxy, 32)
+    quantized = quantize_proxies(q_proxy.to(DEVICE), k_proxy.to(DEVICE), 32)
+    q8, q_scales, k8, k_scales = (tensor.cpu() for tensor in quantized)
     assert (q8.dtype, k8.dtype) == (FP8, FP8)
     assert (q_scales.shape, k_scales.shape) == ((2, 70, 4), (2, 2, 3))
     rows = q8.float().abs().amax(-1)
@@ -115,6 +121,46 @@ def test_quantize_proxies_scales_rows_and_blocks():
     block_amax = factors * 448  # each block's largest magnitude
     error = (k8.float() * factors - k_proxy).abs()
     assert (error <= block_amax * 2**-4).all()
+
+
+def quantize_reference(q_proxy, k_proxy, kv_block):
+    """quantize_proxies in torch ops, rounding as the kernels do: a row's factor is
+    (1 / its largest magnitude) x 448, a factor's inverse its largest magnitude x fp32(1 / 448),
+    and keys are divided by their block's inverse factor."""
+    inverse = torch.tensor(1 / 448, dtype=torch.float32)
+    q_amax = q_proxy.abs().amax(-1, keepdim=True).float()
+    factor = torch.where(q_amax > 0, q_amax, 448.0).reciprocal() * 448.0
+    q8 = (q_proxy.float() * factor).to(FP8)
+    q_scales = torch.where(q_amax > 0, q_amax * inverse, 1.0)[..., 0]
+    batch, seq_len, heads_keys, _ = k_proxy.shape
+    blocks = -(-seq_len // kv_block)
+    key_amax = k_proxy.abs().amax(-1).float()
+    padded = torch.nn.functional.pad(key_amax, (0, 0, 0, blocks * kv_block - seq_len))
+    block_amax = padded.view(batch, blocks, kv_block, heads_keys).amax(2)
+    k_scales = torch.where(block_amax > 0, block_amax * inverse, 1.0)  # [B, blocks, H_pk]
+    key_scales = k_scales.repeat_interleave(kv_block, dim=1)[:, :seq_len, :, None]
+    k8 = (k_proxy.float() / key_scales).to(FP8)
+    return q8, q_scales, k8, k_scales.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(2, 70, 4, 2, 16, 32), (1, 300, 2, 1, 48, 128)], ids=str)
+def test_quantize_proxies_rounds_as_the_reference(shape, dtype, poisoned_allocations):
+    """The quantization kernels equal quantize_reference bit for bit: ragged last blocks, a
+    head dim that is not a power of two, strided proxies, zero rows and blocks."""
+    batch, seq_len, heads, heads_keys, dim, kv_block = shape
+    generator = torch.Generator().manual_seed(seq_len)
+    q_proxy = torch.randn(batch, heads, seq_len, dim, generator=generator).transpose(1, 2)
+    q_proxy = (q_proxy * 3).to(dtype)  # [B, S, H_p, D], strided
+    q_proxy[:, 5] = 0
+    k_proxy = (torch.randn(batch, seq_len, heads_keys, dim, generator=generator) * 5).to(dtype)
+    k_proxy[:, kv_block : 2 * kv_block] = 0  # block 1
+    q_proxy, k_proxy = q_proxy.to(DEVICE), k_proxy.to(DEVICE)
+    actual = quantize_proxies(q_proxy, k_proxy, kv_block)
+    expected = quantize_reference(q_proxy, k_proxy, kv_block)
+    for got, want in zip(actual, expected, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.float(), want.float())
 
 
 def test_fp8_scores_agree_with_fp32_on_most_choices():
@@ -315,14 +361,19 @@ def _layout_by_loops(selected, seq_len, q_block):
     return rows
 
 
+@pytest.mark.parametrize("union", ["kernel", "sort"])
 @pytest.mark.parametrize(
     "seq_len, q_block, kv_block, top_k, bounds",
     [(130, 16, 32, 3, None), (200, 64, 16, 4, (90,)), (100, 32, 128, 2, None),
-     (150, 1, 16, 3, (70,))],
+     (150, 1, 16, 3, (70,)), (300, 8, 16, 16, (150,))],
 )  # fmt: skip
-def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds):
+def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds, union,
+                                              poisoned, monkeypatch):  # fmt: skip
     """Selections of the reference (float64, CPU); q_block 64 sets bit 63 of the masks, q_block
-    1 has none (each row is one token's choices)."""
+    1 has none (each row is one token's choices). union "kernel": the tiles' unions from
+    _tile_union_kernel (the interpreter on the CPU); "sort": from one sort of every choice."""
+    if union == "sort":
+        monkeypatch.setattr(token_selection, "MAX_UNION_CANDIDATES", 0)
     q_proxy, k_proxy = _inputs(2, seq_len, 2, 1, 8, seed=seq_len, dtype=torch.float64,
                                device="cpu")  # fmt: skip
     document_ids = None if bounds is None else _documents(2, seq_len, bounds).cpu()
