@@ -91,16 +91,18 @@ def _quantize_blocks_kernel(k_proxy, k8, k_scales, seq_len, heads_keys, stride_b
 def quantize_proxies(
     q_proxy: torch.Tensor, k_proxy: torch.Tensor, kv_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP8 scoring's inputs: (q8 like q_proxy, fp32 q_scales [B, S, H_p], k8 like k_proxy,
-    fp32 k_scales [B, H_pk, num_kv_blocks]), q8 and k8 float8_e4m3fn and contiguous, in one
+    """FP8 scoring's inputs from q_proxy [B, S_q, H_p, D_p] and k_proxy [B, S, H_pk, D_p]
+    (S_q = S but for a context-parallel rank's queries): (q8 like q_proxy, fp32 q_scales
+    [B, S_q, H_p], k8 like k_proxy, fp32 k_scales [B, H_pk, ceil(S / kv_block)]), q8 and
+    k8 float8_e4m3fn and contiguous, in one
     pass over each proxy. q8 is each (token, head) row of q_proxy times its factor, e4m3's
     largest value (448) over the row's largest magnitude, and q8 * q_scales is q_proxy up to
     e4m3's rounding; k8 each kv block of each key head divided by its largest magnitude over
     448, k8 * k_scales (repeated over a block's keys) is k_proxy. Zero rows and blocks keep a
     factor of 1. The proxies' last dimension has stride 1 (the callers see to it)."""
     batch, seq_len, heads, dim = q_proxy.shape
-    heads_keys = k_proxy.shape[2]
-    num_kv_blocks = math.ceil(seq_len / kv_block)
+    keys, heads_keys = k_proxy.shape[1:3]  # keys = seq_len but under context parallelism
+    num_kv_blocks = math.ceil(keys / kv_block)
     q8 = torch.empty(q_proxy.shape, dtype=FP8, device=q_proxy.device)
     q_scales = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_proxy.device)
     k8 = torch.empty(k_proxy.shape, dtype=FP8, device=k_proxy.device)
@@ -114,7 +116,7 @@ def quantize_proxies(
             DIM=dim, DIM_PAD=triton.next_power_of_2(dim), ROWS=ROWS,
         )  # fmt: skip
         _quantize_blocks_kernel[(num_kv_blocks, heads_keys, batch)](
-            k_proxy=k_proxy, k8=k8, k_scales=k_scales, seq_len=seq_len, heads_keys=heads_keys,
+            k_proxy=k_proxy, k8=k8, k_scales=k_scales, seq_len=keys, heads_keys=heads_keys,
             stride_b=k_proxy.stride(0), stride_s=k_proxy.stride(1), stride_h=k_proxy.stride(2),
             DIM=dim, DIM_PAD=triton.next_power_of_2(dim), KV_BLOCK=kv_block,
             num_warps=8 if kv_block * dim > 4096 else 4,

@@ -144,14 +144,18 @@ def quantize_reference(q_proxy, k_proxy, kv_block):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("shape", [(2, 70, 4, 2, 16, 32), (1, 300, 2, 1, 48, 128)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 70, 70, 4, 2, 16, 32), (1, 300, 300, 2, 1, 48, 128), (2, 40, 130, 4, 1, 16, 32)],
+    ids=str,
+)
 def test_quantize_proxies_rounds_as_the_reference(shape, dtype, poisoned_allocations):
     """The quantization kernels equal quantize_reference bit for bit: ragged last blocks, a
-    head dim that is not a power of two, strided proxies, zero rows and blocks."""
-    batch, seq_len, heads, heads_keys, dim, kv_block = shape
+    head dim that is not a power of two, strided proxies, zero rows and blocks, and fewer
+    query rows than keys (a context-parallel rank's queries against every key)."""
+    batch, query_len, seq_len, heads, heads_keys, dim, kv_block = shape
     generator = torch.Generator().manual_seed(seq_len)
-    q_proxy = torch.randn(batch, heads, seq_len, dim, generator=generator).transpose(1, 2)
-    q_proxy = (q_proxy * 3).to(dtype)  # [B, S, H_p, D], strided
+    q_proxy = torch.randn(batch, heads, query_len, dim, generator=generator).transpose(1, 2)
+    q_proxy = (q_proxy * 3).to(dtype)  # [B, S_q, H_p, D], strided
     q_proxy[:, 5] = 0
     k_proxy = (torch.randn(batch, seq_len, heads_keys, dim, generator=generator) * 5).to(dtype)
     k_proxy[:, kv_block : 2 * kv_block] = 0  # block 1
