@@ -429,6 +429,14 @@ def _token_rows_layout(selected: torch.Tensor, seq_len_kv: int, kv_block: int) -
 
 
 MAX_UNION_CANDIDATES = 1024  # q_block x top_k a program of _tile_union_kernel sorts
+
+
+def _unions_in_kernel(selected: torch.Tensor, q_block: int) -> bool:
+    """Whether _tile_union_kernel builds token_selection_layout's unions: on CUDA tensors,
+    for tiles of at most MAX_UNION_CANDIDATES choices. The CPU interpreter takes seconds over
+    a kernel whose unions one sort gives in milliseconds there, so CPU tensors take the
+    sort (the tests run the kernel on the CPU on purpose)."""
+    return selected.is_cuda and q_block * selected.shape[-1] <= MAX_UNION_CANDIDATES
 _NO_BLOCK: tl.constexpr = tl.constexpr(1 << 62)  # a padding candidate's key: after every real one
 
 
@@ -533,7 +541,7 @@ def token_selection_layout(
             r * q_block + t of the row selected that block; None for q_block 1 (every row
             is one token and reads all of its blocks).
 
-    Memory is O(B * H_p * S * top_k). Where Triton runs and a tile holds at most
+    Memory is O(B * H_p * S * top_k). On CUDA tensors, where a tile holds at most
     MAX_UNION_CANDIDATES choices, _tile_union_kernel sorts each tile's choices in registers
     (two launches, and the entry count read once from the device); elsewhere one sort of
     every choice ranks them (for q_block 1 they are the layout as they are).
@@ -547,7 +555,7 @@ def token_selection_layout(
     batch, heads, _, top_k = selected.shape
     if q_block == 1:
         return _token_rows_layout(selected, seq_len_kv, kv_block), None
-    if _env.can_run_triton(selected.device) and q_block * top_k <= MAX_UNION_CANDIDATES:
+    if _unions_in_kernel(selected, q_block):
         return _tile_union_layout(selected, seq_len, seq_len_kv, q_block, kv_block)
     num_q_blocks = math.ceil(seq_len / q_block)
     device = selected.device

@@ -373,16 +373,17 @@ def _layout_by_loops(selected, seq_len, q_block):
 )  # fmt: skip
 def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds, union,
                                               poisoned, monkeypatch):  # fmt: skip
-    """Selections of the reference (float64, CPU); q_block 64 sets bit 63 of the masks, q_block
-    1 has none (each row is one token's choices). union "kernel": the tiles' unions from
-    _tile_union_kernel (the interpreter on the CPU); "sort": from one sort of every choice."""
-    if union == "sort":
-        monkeypatch.setattr(token_selection, "MAX_UNION_CANDIDATES", 0)
+    """Selections of the reference (float64, CPU), on the test device; q_block 64 sets bit 63
+    of the masks, q_block 1 has none (each row is one token's choices). union "kernel": the
+    tiles' unions from _tile_union_kernel (on the CPU too, interpreted); "sort": from one
+    sort of every choice."""
+    kernel = union == "kernel"
+    monkeypatch.setattr(token_selection, "_unions_in_kernel", lambda selected, q_block: kernel)
     q_proxy, k_proxy = _inputs(2, seq_len, 2, 1, 8, seed=seq_len, dtype=torch.float64,
                                device="cpu")  # fmt: skip
     document_ids = None if bounds is None else _documents(2, seq_len, bounds).cpu()
     selected = select_tokens_reference(q_proxy, k_proxy, top_k=top_k, kv_block=kv_block,
-                                       document_ids=document_ids)  # fmt: skip
+                                       document_ids=document_ids).to(DEVICE)  # fmt: skip
     layout, query_masks = token_selection_layout(selected, seq_len=seq_len, q_block=q_block,
                                                  kv_block=kv_block)  # fmt: skip
     assert (layout.layout_batch, layout.layout_heads) == (2, 2)
