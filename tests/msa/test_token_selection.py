@@ -369,7 +369,7 @@ def _layout_by_loops(selected, seq_len, q_block):
 @pytest.mark.parametrize(
     "seq_len, q_block, kv_block, top_k, bounds",
     [(130, 16, 32, 3, None), (200, 64, 16, 4, (90,)), (100, 32, 128, 2, None),
-     (150, 1, 16, 3, (70,)), (300, 8, 16, 16, (150,))],
+     (150, 1, 16, 3, (70,)), (130, 8, 16, 16, (60,))],
 )  # fmt: skip
 def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k, bounds, union,
                                               poisoned, monkeypatch):  # fmt: skip
