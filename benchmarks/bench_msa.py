@@ -503,7 +503,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     scores_run = args.scores.split(",")
-    if not scores_run or set(scores_run) - {"bf16", "fp8"}:
+    if set(scores_run) - {"bf16", "fp8"}:
         parser.error(f"--scores takes bf16, fp8 or bf16,fp8, got {args.scores!r}")
     granularities = args.granularities.split(",")
     variants = [

@@ -5,7 +5,7 @@ at its peak, summed by their flash_msa call site (the rest of the peak is what t
 holds: the inputs and dout).
 
     python3 benchmarks/profile_msa_step.py [--seq-len 1m] [--granularity token] [--q-block 8]
-        [--fp8-scores] [--rows 30] [--memory]
+        [--scores bf16] [--rows 30] [--memory]
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=parse_length, default=parse_length("1m"))
     parser.add_argument("--granularity", default="token")
     parser.add_argument("--q-block", type=int, default=8)
-    parser.add_argument("--fp8-scores", action="store_true")
+    parser.add_argument("--scores", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--rows", type=int, default=30, help="ops listed")
     parser.add_argument("--memory", action="store_true", help="the peak's allocations")
     args = parser.parse_args()
     inputs = random_inputs(args.seq_len, torch.device("cuda"), "local")
     leaves = [inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v")]
-    score_dtype = FP8 if args.fp8_scores else None
+    score_dtype = FP8 if args.scores == "fp8" else None
     options = dict(top_k=TOP_K, q_block=args.q_block, kv_block=KV_BLOCK,
                    granularity=args.granularity, score_dtype=score_dtype)  # fmt: skip
 
@@ -81,22 +81,27 @@ def peak_sites(trace: list[dict]) -> tuple[int, dict[str, list[int]]]:
     the largest sum of the trace's own live allocations (those it frees but did not make are
     left out), sites each call site's [bytes, allocations] alive then, largest first; a call
     site is an allocation's first three flash_msa frames."""
-    live, current, peak, at_peak = {}, 0, 0, {}
-    for event in trace:
+    live, lifetimes, current, peak, peak_index = {}, [], 0, 0, -1
+    for index, event in enumerate(trace):
         if event["action"] == "alloc":
-            live[event["addr"]] = event
+            live[event["addr"]] = [event, index, len(trace)]  # made, freed (never: the end)
+            lifetimes.append(live[event["addr"]])
             current += event["size"]
         elif event["action"] == "free_completed" and event["addr"] in live:
-            current -= live.pop(event["addr"])["size"]
+            lifetime = live.pop(event["addr"])
+            lifetime[2] = index
+            current -= lifetime[0]["size"]
         if current > peak:
-            peak, at_peak = current, dict(live)
+            peak, peak_index = current, index
+    at_peak = [event for event, made, freed in lifetimes if made <= peak_index < freed]
     sites = defaultdict(lambda: [0, 0])
-    for event in at_peak.values():
+    for event in at_peak:
         frames = [frame for frame in event.get("frames", []) if "flash_msa/" in frame["filename"]]
         site = "; ".join(f"{frame['filename'].split('flash_msa/')[-1]}:{frame['line']} "
                          f"{frame['name']}" for frame in frames[:3])  # fmt: skip
-        sites[site or "(no flash_msa frame)"][0] += event["size"]
-        sites[site or "(no flash_msa frame)"][1] += 1
+        site = site or "(no flash_msa frame)"
+        sites[site][0] += event["size"]
+        sites[site][1] += 1
     return peak, dict(sorted(sites.items(), key=lambda item: -item[1][0]))
 
 

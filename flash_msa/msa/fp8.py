@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flash_msa import _env
+from flash_msa.ops.triton.common import element_offsets, load_rows, store_rows, strides
 
 FP8 = torch.float8_e4m3fn  # score_dtype of FP8 scoring
 
@@ -28,64 +29,58 @@ INVERSE_LARGEST: tl.constexpr = tl.constexpr(1 / 448)
 
 
 @triton.jit
-def _to_e4m3(values, dtype: tl.constexpr):
-    """fp32 values of magnitude at most 464 to e4m3 (dtype), rounded to nearest even: first
-    onto e4m3's grid in fp32 (steps of 2^(e - 3) for values in [2^e, 2^(e + 1)), 2^-9 below
-    2^-6), so that the conversion itself is exact (the Triton interpreter's does not carry
-    a rounding into the exponent)."""
+def _onto_e4m3_grid(values):
+    """fp32 values of magnitude at most 464 rounded to nearest even onto e4m3's grid, still in
+    fp32 (steps of 2^(e - 3) for values in [2^e, 2^(e + 1)), 2^-9 below 2^-6), so that their
+    conversion to e4m3 is exact (the Triton interpreter's own conversion does not carry a
+    rounding into the exponent)."""
     exponent = (values.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased by 127
     step_exponent = tl.maximum(exponent, 127 - 6) - 3
     step = (step_exponent << 23).to(tl.float32, bitcast=True)
     inverse_step = ((254 - step_exponent) << 23).to(tl.float32, bitcast=True)
     steps = values * inverse_step  # at most 16 in magnitude
     steps = (steps + 12582912.0) - 12582912.0  # 1.5 x 2^23: rounds to an integer, ties even
-    return (steps * step).to(dtype)
+    return steps * step
 
 
 @triton.jit
-def _quantize_rows_kernel(q_proxy, q8, q_scales, rows, seq_len, heads, stride_b, stride_s,
-                          stride_h, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                          ROWS: tl.constexpr):  # fmt: skip
-    """ROWS (token, head) rows of q_proxy [B, S, H_p, D] (last stride 1), scaled so their
-    largest magnitude is 448, into q8 (contiguous like q_proxy) and their factors into
-    q_scales [B, S, H_p]."""
+def _quantize_rows_kernel(q_proxy, q8, q_scales, rows, seq_len, heads, stride_q_b, stride_q_s,
+                          stride_q_h, stride_q8_b, stride_q8_s, stride_q8_h, DIM: tl.constexpr,
+                          DIM_PAD: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """ROWS (token, head) rows of q_proxy [B, S, H_p, D], scaled so their largest magnitude
+    is 448, into q8 (like q_proxy) and their factors into q_scales [B, S, H_p] (contiguous)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]: b * S * H_p + s * H_p + h
-    dims = tl.arange(0, DIM_PAD)  # [DIM_PAD]
     valid = row < rows
     batch = (row // (seq_len * heads)).to(tl.int64)
-    token = (row // heads % seq_len).to(tl.int64)
-    offsets = batch * stride_b + token * stride_s + (row % heads) * stride_h  # [ROWS]
-    mask = valid[:, None] & (dims < DIM)[None, :]
-    values = tl.load(q_proxy + offsets[:, None] + dims[None, :], mask=mask, other=0.0)
-    values = values.to(tl.float32)  # [ROWS, DIM_PAD]
+    token, head = row // heads % seq_len, row % heads
+    offsets = batch * stride_q_b + element_offsets(token, head, stride_q_s, stride_q_h)
+    values = load_rows(q_proxy, offsets, valid, DIM, DIM_PAD).to(tl.float32)  # [ROWS, DIM_PAD]
     largest = tl.max(tl.abs(values), axis=1)  # [ROWS]
     positive = largest > 0
     factor = tl.math.div_rn(1.0, tl.where(positive, largest, E4M3_LARGEST)) * E4M3_LARGEST
-    quantized = _to_e4m3(values * factor[:, None], q8.dtype.element_ty)
-    tl.store(q8 + row.to(tl.int64)[:, None] * DIM + dims[None, :], quantized, mask=mask)
+    q8_offsets = batch * stride_q8_b + element_offsets(token, head, stride_q8_s, stride_q8_h)
+    store_rows(q8, q8_offsets, valid, _onto_e4m3_grid(values * factor[:, None]), DIM, DIM_PAD)
     tl.store(q_scales + row, tl.where(positive, largest * INVERSE_LARGEST, 1.0), mask=valid)
 
 
 @triton.jit
-def _quantize_blocks_kernel(k_proxy, k8, k_scales, seq_len, heads_keys, stride_b, stride_s,
-                            stride_h, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                            KV_BLOCK: tl.constexpr):  # fmt: skip
+def _quantize_blocks_kernel(k_proxy, k8, k_scales, seq_len, stride_k_b, stride_k_s, stride_k_h,
+                            stride_k8_b, stride_k8_s, stride_k8_h, DIM: tl.constexpr,
+                            DIM_PAD: tl.constexpr, KV_BLOCK: tl.constexpr):  # fmt: skip
     """Grid (kv blocks, H_pk, B): one kv block of one key head of k_proxy [B, S, H_pk, D]
-    divided by its factor (its largest magnitude over 448) into k8 (contiguous like k_proxy),
-    the factor into k_scales [B, H_pk, kv blocks]."""
-    block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    divided by its factor (its largest magnitude over 448) into k8 (like k_proxy), the factor
+    into k_scales [B, H_pk, kv blocks] (contiguous)."""
+    block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     tokens = block * KV_BLOCK + tl.arange(0, KV_BLOCK)  # [KV_BLOCK]
-    dims = tl.arange(0, DIM_PAD)  # [DIM_PAD]
-    mask = (tokens < seq_len)[:, None] & (dims < DIM)[None, :]
-    offsets = batch.to(tl.int64) * stride_b + tokens.to(tl.int64) * stride_s + head * stride_h
-    values = tl.load(k_proxy + offsets[:, None] + dims[None, :], mask=mask, other=0.0)
-    values = values.to(tl.float32)  # [KV_BLOCK, DIM_PAD]
+    valid = tokens < seq_len
+    offsets = batch * stride_k_b + element_offsets(tokens, head, stride_k_s, stride_k_h)
+    values = load_rows(k_proxy, offsets, valid, DIM, DIM_PAD).to(tl.float32)  # [KV_BLOCK, DIM_PAD]
     largest = tl.max(tl.max(tl.abs(values), axis=1), axis=0)
     scale = tl.where(largest > 0, largest * INVERSE_LARGEST, 1.0)
-    rows = (batch.to(tl.int64) * seq_len + tokens) * heads_keys + head  # [KV_BLOCK]
-    tl.store(k8 + rows[:, None] * DIM + dims[None, :],
-             _to_e4m3(tl.math.div_rn(values, scale), k8.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(k_scales + (batch * heads_keys + head) * tl.num_programs(0) + block, scale)
+    k8_offsets = batch * stride_k8_b + element_offsets(tokens, head, stride_k8_s, stride_k8_h)
+    store_rows(k8, k8_offsets, valid, _onto_e4m3_grid(tl.math.div_rn(values, scale)), DIM,
+               DIM_PAD)  # fmt: skip
+    tl.store(k_scales + (batch * tl.num_programs(1) + head) * tl.num_programs(0) + block, scale)
 
 
 def quantize_proxies(
@@ -112,13 +107,12 @@ def quantize_proxies(
         rows = batch * seq_len * heads
         _quantize_rows_kernel[(triton.cdiv(rows, ROWS),)](
             q_proxy=q_proxy, q8=q8, q_scales=q_scales, rows=rows, seq_len=seq_len, heads=heads,
-            stride_b=q_proxy.stride(0), stride_s=q_proxy.stride(1), stride_h=q_proxy.stride(2),
-            DIM=dim, DIM_PAD=triton.next_power_of_2(dim), ROWS=ROWS,
+            **strides("q", q_proxy), **strides("q8", q8), DIM=dim,
+            DIM_PAD=_env.head_dim_pad(dim), ROWS=ROWS,
         )  # fmt: skip
         _quantize_blocks_kernel[(num_kv_blocks, heads_keys, batch)](
-            k_proxy=k_proxy, k8=k8, k_scales=k_scales, seq_len=keys, heads_keys=heads_keys,
-            stride_b=k_proxy.stride(0), stride_s=k_proxy.stride(1), stride_h=k_proxy.stride(2),
-            DIM=dim, DIM_PAD=triton.next_power_of_2(dim), KV_BLOCK=kv_block,
+            k_proxy=k_proxy, k8=k8, k_scales=k_scales, seq_len=keys, **strides("k", k_proxy),
+            **strides("k8", k8), DIM=dim, DIM_PAD=_env.head_dim_pad(dim), KV_BLOCK=kv_block,
             num_warps=8 if kv_block * dim > 4096 else 4,
         )  # fmt: skip
     return q8, q_scales, k8, k_scales

@@ -390,14 +390,14 @@ GRAD_TILE_BYTES = 1 << 30  # the most memory the tiles of d kl_loss / d z take a
 
 class _Chunk(NamedTuple):
     """One launch of the KL's kernels: query blocks [block_start, block_end) of layout row
-    layout_row, whose entries are [entry_start, entry_end), for `batches` batch elements
-    from batch_base and the row's proxy heads from head_base."""
+    layout_row, whose entries are the chunk_entries from entry_start on, for `batches` batch
+    elements from batch_base and the row's proxy heads from head_base."""
 
     layout_row: int
     block_start: int
     block_end: int
     entry_start: int
-    entry_end: int
+    chunk_entries: int
     batch_base: int
     batches: int
     head_base: int
@@ -405,7 +405,7 @@ class _Chunk(NamedTuple):
     def arguments(self) -> dict:
         """The kernels' chunk arguments."""
         return dict(layout_row=self.layout_row, block_start=self.block_start,
-                    entry_start=self.entry_start, chunk_entries=self.entry_end - self.entry_start,
+                    entry_start=self.entry_start, chunk_entries=self.chunk_entries,
                     batch_base=self.batch_base, head_base=self.head_base)  # fmt: skip
 
 
@@ -436,8 +436,9 @@ def _chunks(layout: BlockLayout, row_offsets: torch.Tensor, batch: int, heads_pr
             end = int(np.searchsorted(row_offsets_host, row_offsets_host[block] + max(most, 1),
                                       "right"))  # fmt: skip
             end = min(max(end - 1, block + 1), num_q_blocks)
-            yield _Chunk(row, block, end, int(row_offsets_host[block]),
-                         int(row_offsets_host[end]), *rows)  # fmt: skip
+            first_entry = int(row_offsets_host[block])
+            yield _Chunk(row, block, end, first_entry, int(row_offsets_host[end]) - first_entry,
+                         *rows)  # fmt: skip
             block = end
 
 
@@ -484,8 +485,7 @@ def _kl_forward(
                           tile_size * q_proxy.element_size() if with_grad else None))
     per_layout = heads_proxy // layout.layout_heads
     # The largest chunk's tiles (one unread tile without the gradient: TMA needs a view).
-    tiles = [chunk.batches * per_layout * (chunk.entry_end - chunk.entry_start)
-             for chunk in chunks]  # fmt: skip
+    tiles = [chunk.batches * per_layout * chunk.chunk_entries for chunk in chunks]
     grad_tiles = q_proxy.new_empty(max([1, *tiles]) * tile_size if with_grad else tile_size)
     gluon_kernels = kl_gluon.supports(q, q_proxy, layout.q_block, layout.kv_block,
                                       documents is not None, q_blocks is not None)  # fmt: skip
@@ -534,7 +534,7 @@ def _chunk_dk_proxy(grad_tiles, q_proxy, grad_k_proxy, t_row_offsets, t_col_indi
             **strides("qp", q_proxy), **strides("gk", grad_k_proxy),
             query_len=q_proxy.shape[1], seq_len=grad_k_proxy.shape[1],
             num_kv_blocks=layout.num_kv_blocks, layout_row=chunk.layout_row,
-            entry_start=chunk.entry_start, chunk_entries=chunk.entry_end - chunk.entry_start,
+            entry_start=chunk.entry_start, chunk_entries=chunk.chunk_entries,
             batch_base=chunk.batch_base, head=head, copy_head=copy_head,
             heads_per_layout=per_layout, key_head=head // (heads_proxy // heads_keys),
             PROXY_DIM=q_proxy.shape[3], PROXY_DIM_PAD=_env.head_dim_pad(q_proxy.shape[3]),
