@@ -88,13 +88,13 @@ def quantize_proxies(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 scoring's inputs from q_proxy [B, S_q, H_p, D_p] and k_proxy [B, S, H_pk, D_p]
     (S_q = S but for a context-parallel rank's queries): (q8 like q_proxy, fp32 q_scales
-    [B, S_q, H_p], k8 like k_proxy, fp32 k_scales [B, H_pk, ceil(S / kv_block)]), q8 and
-    k8 float8_e4m3fn and contiguous, in one
-    pass over each proxy. q8 is each (token, head) row of q_proxy times its factor, e4m3's
-    largest value (448) over the row's largest magnitude, and q8 * q_scales is q_proxy up to
-    e4m3's rounding; k8 each kv block of each key head divided by its largest magnitude over
-    448, k8 * k_scales (repeated over a block's keys) is k_proxy. Zero rows and blocks keep a
-    factor of 1. The proxies' last dimension has stride 1 (the callers see to it)."""
+    [B, S_q, H_p], k8 like k_proxy, fp32 k_scales [B, H_pk, ceil(S / kv_block)]), q8 and k8
+    float8_e4m3fn and contiguous, in one pass over each proxy. q8 is each (token, head) row
+    of q_proxy times its factor, e4m3's largest value (448) over the row's largest magnitude,
+    and q8 * q_scales is q_proxy up to e4m3's rounding; k8 each kv block of each key head
+    divided by its largest magnitude over 448, k8 * k_scales (repeated over a block's keys)
+    is k_proxy. Zero rows and blocks keep a factor of 1. The proxies' last dimension has
+    stride 1 (the callers see to it)."""
     batch, seq_len, heads, dim = q_proxy.shape
     keys, heads_keys = k_proxy.shape[1:3]  # keys = seq_len but under context parallelism
     num_kv_blocks = math.ceil(keys / kv_block)

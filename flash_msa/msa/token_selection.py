@@ -429,6 +429,7 @@ def _token_rows_layout(selected: torch.Tensor, seq_len_kv: int, kv_block: int) -
 
 
 MAX_UNION_CANDIDATES = 1024  # q_block x top_k a program of _tile_union_kernel sorts
+_NO_BLOCK: tl.constexpr = tl.constexpr(1 << 62)  # a padding candidate's key: after every real one
 
 
 def _unions_in_kernel(selected: torch.Tensor, q_block: int) -> bool:
@@ -437,7 +438,6 @@ def _unions_in_kernel(selected: torch.Tensor, q_block: int) -> bool:
     a kernel whose unions one sort gives in milliseconds there, so CPU tensors take the
     sort (the tests run the kernel on the CPU on purpose)."""
     return selected.is_cuda and q_block * selected.shape[-1] <= MAX_UNION_CANDIDATES
-_NO_BLOCK: tl.constexpr = tl.constexpr(1 << 62)  # a padding candidate's key: after every real one
 
 
 @triton.jit
