@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from flash_msa.layout import BlockLayout, checked_device
 from flash_msa.patterns._build import (
@@ -29,6 +31,8 @@ _INT64_MAX = torch.iinfo(torch.int64).max
 _INT64_MIN = torch.iinfo(torch.int64).min
 _NAN_BITS = torch.iinfo(torch.int32).max  # ordered bits of every NaN: above +inf (0x7F800000)
 _MINUS_INF_BITS = -(0x7F800000 + 1)  # ordered bits of -inf: 0xFF800000 with bits 0-30 flipped
+MAX_KERNEL_PICKS = 64  # blocks a row keeps that _top_blocks_kernel ranks (its tiles' top-k)
+_RANK_TILE = 1024  # scores a program of _top_blocks_kernel ranks at a time
 
 
 def _ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,68 @@ def _ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     num_kv_blocks = scores.shape[-1]
     reversed_index = num_kv_blocks - 1 - torch.arange(num_kv_blocks, device=scores.device)
     return ordered.long() * (1 << 32) + reversed_index
+
+
+@triton.jit
+def _top_blocks_kernel(scores, diagonal, chosen, num_kv_blocks, stride_l, stride_r,
+                       PICKS: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr,
+                       INCLUDE_DIAGONAL: tl.constexpr):  # fmt: skip
+    """Grid (nq, L): the PICKS best columns of row r of layout l's scores [L, nq, nk] (last
+    stride 1), best first, into chosen [L, nq, PICKS] (contiguous), in _ordered_keys' order:
+    the diagonal first with INCLUDE_DIAGONAL, no column past it with CAUSAL. Slots past the
+    row's candidates hold columns of no meaning (the caller drops them). A running top-PICKS
+    over tiles of TILE scores up to the last candidate, of int64 keys (the score's ordered
+    int32 bits, offset to be non-negative, times 2^31, plus the reversed column), where NaN
+    ranks above +inf and the kept diagonal above NaN."""
+    row = tl.program_id(0)
+    layout = tl.program_id(1)
+    base = scores + layout.to(tl.int64) * stride_l + row.to(tl.int64) * stride_r
+    kept = tl.load(diagonal + row)
+    last = tl.minimum(kept, num_kv_blocks - 1) if CAUSAL else num_kv_blocks - 1
+    best = tl.full([PICKS], -1, tl.int64)  # [PICKS]: below every candidate's key
+    for start in range(0, last + 1, TILE):
+        columns = start + tl.arange(0, TILE)  # [TILE]
+        candidate = columns <= last
+        values = tl.load(base + columns, mask=candidate, other=0.0).to(tl.float32)
+        bits = tl.where(values == 0.0, 0, values.to(tl.int32, bitcast=True))  # -0.0 as 0.0
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        ordered = tl.where(values != values, 0x7FFFFFFE, ordered)  # NaN above +inf
+        if INCLUDE_DIAGONAL:
+            ordered = tl.where(columns == kept, 0x7FFFFFFF, ordered)
+        keys = (ordered.to(tl.int64) + 2**31) * 2**31 + (num_kv_blocks - 1 - columns)
+        keys = tl.where(candidate, keys, -1)  # [TILE]
+        both = tl.reshape(tl.join(best, tl.topk(keys, PICKS)), [2 * PICKS])
+        best = tl.topk(both, PICKS)  # [PICKS], descending
+    out = chosen + (layout.to(tl.int64) * tl.num_programs(0) + row) * PICKS
+    tl.store(out + tl.arange(0, PICKS), num_kv_blocks - 1 - (best & (2**31 - 1)))
+
+
+def _rank_in_kernel(scores: torch.Tensor, picks: int) -> bool:
+    """Whether _top_blocks_kernel ranks topk's scores (fixed_counts): on CUDA tensors, for at
+    most MAX_KERNEL_PICKS blocks a row, outside torch.compile's tracing (which takes the
+    torch ranking). The CPU ranks with torch.topk (Triton's interpreter would take seconds
+    over the kernel)."""
+    return (scores.device.type == "cuda" and picks <= MAX_KERNEL_PICKS
+            and not torch.compiler.is_compiling())  # fmt: skip
+
+
+def _top_blocks(scores: torch.Tensor, diagonal: torch.Tensor, picks: int, *, causal: bool,
+                include_diagonal: bool) -> torch.Tensor:  # fmt: skip
+    """int64 [L, nq, picks]: each row's best columns of scores [L, nq, nk] from
+    _top_blocks_kernel (topk's torch ranking, in one launch)."""
+    num_layouts, num_q_blocks, num_kv_blocks = scores.shape
+    scores = scores.contiguous()
+    slots = triton.next_power_of_2(picks)
+    tile = max(slots, min(_RANK_TILE, triton.next_power_of_2(num_kv_blocks)))
+    chosen = torch.empty(num_layouts, num_q_blocks, slots, dtype=torch.int64,
+                         device=scores.device)  # fmt: skip
+    if chosen.numel():
+        _top_blocks_kernel[(num_q_blocks, num_layouts)](
+            scores=scores, diagonal=diagonal.contiguous(), chosen=chosen,
+            num_kv_blocks=num_kv_blocks, stride_l=scores.stride(0), stride_r=scores.stride(1),
+            PICKS=slots, TILE=tile, CAUSAL=causal, INCLUDE_DIAGONAL=include_diagonal,
+        )  # fmt: skip
+    return chosen[..., :picks]
 
 
 def check_query_blocks(
@@ -100,6 +166,35 @@ def check_query_blocks(
             f"(whole blocks of {q_block}; the ragged global last block only as the last one)"
         )
     return q_blocks
+
+
+def _ranked_by_torch(scores: torch.Tensor, diagonal: torch.Tensor, picks: int, *, causal: bool,
+                     include_diagonal: bool, fixed_counts: bool,
+                     chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(chosen int64 [L, nq, picks], best first, whether a candidate score is NaN) of scores
+    [L, nq, nk] through torch.topk over _ordered_keys, rows in chunks so that the int64 keys
+    and their temporaries stay near chunk_elements each; without fixed_counts the slots of
+    -inf scores hold nk."""
+    num_layouts, num_q_blocks, num_kv_blocks = scores.shape
+    columns = torch.arange(num_kv_blocks, device=scores.device)
+    # Keys above this belong to scores > -inf (or the kept diagonal).
+    minus_inf = _MINUS_INF_BITS * (1 << 32) + num_kv_blocks - 1
+    nan_found = torch.zeros((), dtype=torch.bool, device=scores.device)
+    rows_per_chunk = max(1, chunk_elements // (num_layouts * num_kv_blocks))
+    chosen = []
+    for first in range(0, num_q_blocks, rows_per_chunk):
+        rows = slice(first, first + rows_per_chunk)
+        keys = _ordered_keys(scores[:, rows])  # [L, rows, nk]
+        if causal:
+            keys.masked_fill_(columns > diagonal[rows, None], _INT64_MIN)
+        if include_diagonal:
+            keys.masked_fill_(columns == diagonal[rows, None], _INT64_MAX)
+        values, indices = keys.topk(picks, dim=-1)  # [L, rows, picks], best first
+        if not fixed_counts:
+            nan_found |= ((keys >= _NAN_BITS * (1 << 32)) & (keys < _INT64_MAX)).any()
+            indices = indices.masked_fill(values <= minus_inf, num_kv_blocks)
+        chosen.append(indices)
+    return torch.cat(chosen, dim=1), nan_found
 
 
 def topk(
@@ -177,29 +272,10 @@ def topk(
         diagonal = diagonals(torch.arange(num_q_blocks, device=scores.device), meta)  # [nq]
     else:  # global blocks of the seq_len_kv-token sequence
         diagonal = diagonals(q_blocks.to(scores.device), dict(meta, seq_len_q=meta["seq_len_kv"]))
-    columns = torch.arange(num_kv_blocks, device=scores.device)
     picks = min(k, num_kv_blocks)
-    # Keys above this belong to scores > -inf (or the kept diagonal).
-    minus_inf = _MINUS_INF_BITS * (1 << 32) + num_kv_blocks - 1
-    nan_found = torch.zeros((), dtype=torch.bool, device=scores.device)
-    # Rows in chunks: the int64 keys and their temporaries stay near chunk_elements each.
-    rows_per_chunk = max(1, chunk_elements // (num_layouts * num_kv_blocks))
-    chosen = []
-    for first in range(0, num_q_blocks, rows_per_chunk):
-        rows = slice(first, first + rows_per_chunk)
-        keys = _ordered_keys(scores[:, rows])  # [L, rows, nk]
-        if causal:
-            keys.masked_fill_(columns > diagonal[rows, None], _INT64_MIN)
-        if include_diagonal:
-            keys.masked_fill_(columns == diagonal[rows, None], _INT64_MAX)
-        values, indices = keys.topk(picks, dim=-1)  # [L, rows, picks], best first
-        if not fixed_counts:
-            nan_found |= ((keys >= _NAN_BITS * (1 << 32)) & (keys < _INT64_MAX)).any()
-            indices = indices.masked_fill(values <= minus_inf, num_kv_blocks)
-        chosen.append(indices)
-    chosen = torch.cat(chosen, dim=1)  # [L, nq, picks]
-
+    ranking = dict(causal=causal, include_diagonal=include_diagonal, chunk_elements=chunk_elements)
     if not fixed_counts:
+        chosen, nan_found = _ranked_by_torch(scores, diagonal, picks, **ranking, fixed_counts=False)
         if bool(nan_found):
             raise ValueError(
                 "block_scores contains NaN; replace it (e.g. with -inf to exclude a block)"
@@ -209,6 +285,11 @@ def topk(
         keys = flat_rows.view(num_layouts, num_q_blocks, 1) * num_kv_blocks + chosen
         return BlockLayout.from_keys(keys[chosen < num_kv_blocks], **meta, validate=False)
 
+    if _rank_in_kernel(scores, picks):
+        chosen = _top_blocks(scores, diagonal, picks, causal=causal,
+                             include_diagonal=include_diagonal)  # fmt: skip
+    else:
+        chosen = _ranked_by_torch(scores, diagonal, picks, **ranking, fixed_counts=True)[0]
     if causal:
         counts = (diagonal + 1).clamp(max=picks)  # [nq]
         per_layout = diagonal_total(meta, picks) if q_blocks is None else int(counts.sum())

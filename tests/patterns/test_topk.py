@@ -1,6 +1,7 @@
 """patterns.topk against brute force: ties, -inf and NaN, causal diagonals of square and
 rectangular blocks, and the fixed-count (MSA) selection against select_blocks_reference."""
 
+import importlib
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from flash_msa.msa import block_scores, select_blocks_reference
 from flash_msa.patterns._build import diagonal_total
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+topk_module = importlib.import_module("flash_msa.patterns.topk")  # patterns.topk: the function
 
 
 def causal_token_blocks(seq_len, q_block, kv_block):
@@ -303,6 +305,51 @@ def test_diagonal_total_counts_the_rows(q_block, kv_block):
         for limit in [1, 2, 3, 7, 64, 10**9]:
             expected = sum(min(limit, d + 1) for d in _diagonals(seq_len, q_block, kv_block))
             assert diagonal_total(meta, limit) == expected, (seq_len, limit)
+
+
+# (S_q, S_kv, q_block, kv_block, top_k, q_blocks): a row longer than the kernel's tile of 1024
+# scores, S_q above S_kv (diagonals past the last kv block), a rank's rows, top_k above nk.
+KERNEL_CASES = [
+    (256, 256, 32, 32, 3, None),
+    (200, 200, 64, 16, 5, None),
+    (64, 132_000, 32, 128, 16, None),
+    (520, 260, 64, 32, 4, None),
+    (333, 333, 32, 64, 2, [0, 8, 3, 10]),
+    (77, 77, 16, 32, 100, None),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+@pytest.mark.parametrize("causal, include_diagonal", [(True, True), (True, False), (False, True),
+                                                      (False, False)])  # fmt: skip
+def test_fixed_counts_ranked_in_kernel_equal_torch(case, causal, include_diagonal, monkeypatch):
+    """_top_blocks_kernel (on the CPU too, interpreted) makes the layout torch.topk's ranking
+    makes, bit for bit: ties, -inf, +inf, NaN, -0.0 beside 0.0, bfloat16."""
+    seq_len_q, seq_len_kv, q_block, kv_block, top_k, q_blocks = case
+    rows = math.ceil(seq_len_q / q_block) if q_blocks is None else len(q_blocks)
+    grid = (rows, math.ceil(seq_len_kv / kv_block))
+    generator = torch.Generator().manual_seed(sum(grid))
+    scores = torch.randint(-2, 3, (1, 2, *grid), generator=generator).float() / 2  # ties
+    # Head 1's rows: +inf and NaN in columns 0 and 1 (in turns: NaN ranks above +inf), -0.0
+    # (tied with 0.0) and -inf in 2 and 3.
+    specials = torch.tensor([[float("inf"), float("nan"), -0.0, float("-inf")],
+                             [float("nan"), float("inf"), -0.0, float("-inf")]])  # fmt: skip
+    columns = min(4, grid[1])
+    scores[0, 1, :, :columns] = specials[torch.arange(grid[0]) % 2, :columns]
+    if q_blocks is not None:  # a rank's rows: the global blocks' own rows
+        seq_len_q = sum(min(q_block, seq_len_kv - block * q_block) for block in q_blocks)
+        q_blocks = torch.tensor(q_blocks, device=DEVICE)
+    options = dict(seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, q_block=q_block,
+                   kv_block=kv_block, causal=causal, include_diagonal=include_diagonal,
+                   fixed_counts=True, q_blocks=q_blocks)  # fmt: skip
+    layouts = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for kernel in (False, True):
+            monkeypatch.setattr(topk_module, "_rank_in_kernel", lambda *_, kernel=kernel: kernel)
+            layouts.append(patterns.topk(scores.to(DEVICE, dtype), top_k, **options))
+    for torch_layout, kernel_layout in (layouts[:2], layouts[2:]):
+        assert torch.equal(kernel_layout.row_offsets, torch_layout.row_offsets)
+        assert torch.equal(kernel_layout.col_indices, torch_layout.col_indices)
 
 
 # ---- a rank's query blocks (context parallelism) -----------------------------------------
