@@ -91,14 +91,21 @@ def _rank_in_kernel(scores: torch.Tensor, picks: int) -> bool:
             and not torch.compiler.is_compiling())  # fmt: skip
 
 
+def kernel_tiles(picks: int, num_kv_blocks: int) -> tuple[int, int]:
+    """(PICKS, TILE) of the _top_blocks_kernel launch that ranks `picks` blocks a row of
+    num_kv_blocks scores: powers of two, PICKS at least 2 (tl.topk of one element does not
+    compile for the GPU: its last max reduces the tile to a scalar) and TILE at least PICKS."""
+    slots = max(2, triton.next_power_of_2(picks))
+    return slots, max(slots, min(_RANK_TILE, triton.next_power_of_2(num_kv_blocks)))
+
+
 def _top_blocks(scores: torch.Tensor, diagonal: torch.Tensor, picks: int, *, causal: bool,
                 include_diagonal: bool) -> torch.Tensor:  # fmt: skip
     """int64 [L, nq, picks]: each row's best columns of scores [L, nq, nk] from
     _top_blocks_kernel (topk's torch ranking, in one launch)."""
     num_layouts, num_q_blocks, num_kv_blocks = scores.shape
     scores = scores.contiguous()
-    slots = triton.next_power_of_2(picks)
-    tile = max(slots, min(_RANK_TILE, triton.next_power_of_2(num_kv_blocks)))
+    slots, tile = kernel_tiles(picks, num_kv_blocks)
     chosen = torch.empty(num_layouts, num_q_blocks, slots, dtype=torch.int64,
                          device=scores.device)  # fmt: skip
     if chosen.numel():

@@ -2,6 +2,7 @@
 rectangular blocks, and the fixed-count (MSA) selection against select_blocks_reference."""
 
 import importlib
+import json
 import math
 
 import pytest
@@ -308,7 +309,8 @@ def test_diagonal_total_counts_the_rows(q_block, kv_block):
 
 
 # (S_q, S_kv, q_block, kv_block, top_k, q_blocks): a row longer than the kernel's tile of 1024
-# scores, S_q above S_kv (diagonals past the last kv block), a rank's rows, top_k above nk.
+# scores, S_q above S_kv (diagonals past the last kv block), a rank's rows, top_k above nk,
+# one kv block (one pick a row).
 KERNEL_CASES = [
     (256, 256, 32, 32, 3, None),
     (200, 200, 64, 16, 5, None),
@@ -316,6 +318,7 @@ KERNEL_CASES = [
     (520, 260, 64, 32, 4, None),
     (333, 333, 32, 64, 2, [0, 8, 3, 10]),
     (77, 77, 16, 32, 100, None),
+    (40, 40, 16, 64, 3, None),
 ]
 
 
@@ -403,3 +406,30 @@ def test_topk_rejects_bad_query_blocks(q_blocks, error, match):
     with pytest.raises(error, match=match):
         patterns.topk(scores, 2, seq_len_q=44, seq_len_kv=300, q_block=32, kv_block=64,
                       fixed_counts=True, q_blocks=q_blocks)  # fmt: skip
+
+
+# Compiles _top_blocks_kernel for sm_90 at the (PICKS, TILE) of each [picks, num_kv_blocks]
+# of argv[2] (kernel_tiles) and prints one JSON report per launch.
+SM90_COMPILE = """
+import importlib, json, sys
+from flash_msa.testing import compile_for_sm90
+
+topk_module = importlib.import_module("flash_msa.patterns.topk")
+types = dict(scores="*fp32", diagonal="*i64", chosen="*i64")
+for picks, num_kv_blocks in json.loads(sys.argv[2]):
+    slots, tile = topk_module.kernel_tiles(picks, num_kv_blocks)
+    constexprs = dict(PICKS=slots, TILE=tile, CAUSAL=True, INCLUDE_DIAGONAL=True)
+    print(json.dumps(compile_for_sm90(topk_module._top_blocks_kernel, constexprs, types, 4, 3,
+                                      sys.argv[1])))
+"""
+
+
+def test_top_blocks_kernel_compiles_for_hopper(sm90):
+    """The interpreter never reaches GPU code generation: the launches _top_blocks makes
+    compile for sm_90, one block a row (where tl.topk of one element would not compile) and
+    rows of one to thousands of blocks included; MSA's top-16 without spills."""
+    launches = [[1, 1], [1, 2], [3, 2], [15, 3], [16, 512], [16, 8192], [64, 64], [64, 8192]]
+    reports = sm90(SM90_COMPILE, json.dumps(launches))
+    assert len(reports) == len(launches)
+    for (picks, _), report in zip(launches, reports, strict=True):
+        assert picks > 16 or report["spills"] == 0, report
