@@ -110,7 +110,7 @@ def _top_blocks(scores: torch.Tensor, diagonal: torch.Tensor, picks: int, *, cau
                          device=scores.device)  # fmt: skip
     if chosen.numel():
         _top_blocks_kernel[(num_q_blocks, num_layouts)](
-            scores=scores, diagonal=diagonal.contiguous(), chosen=chosen,
+            scores=scores, diagonal=diagonal, chosen=chosen,
             num_kv_blocks=num_kv_blocks, stride_l=scores.stride(0), stride_r=scores.stride(1),
             PICKS=slots, TILE=tile, CAUSAL=causal, INCLUDE_DIAGONAL=include_diagonal,
         )  # fmt: skip
