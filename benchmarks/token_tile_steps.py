@@ -27,6 +27,7 @@ from flash_msa.bench import parse_length
 
 TILE = 8  # tokens a main-attention tile (q_block None at H_q / H_p 16)
 HALF = TILE // 2  # tokens a gluon step
+CHUNK = 2048  # queries a pass of the selection over every token
 
 
 def selected_blocks(seq_len: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -35,7 +36,9 @@ def selected_blocks(seq_len: int, ranges: list[tuple[int, int]]) -> torch.Tensor
     q_proxy, k_proxy = local_proxies(seq_len, "cpu")
     q_proxy, k_proxy = q_proxy[0].float(), k_proxy[0, :, 0].float()  # [S, H_p, D_p], [S, D_p]
     heads, blocks = q_proxy.shape[1], -(-seq_len // KV_BLOCK)
-    chosen = []
+    chosen = torch.zeros(heads, sum(end - start for start, end in ranges), blocks,
+                         dtype=torch.bool)  # fmt: skip
+    row = 0  # chosen's first row of the range
     for start, end in ranges:
         logits = torch.einsum("chd,kd->hck", q_proxy[start:end], k_proxy[:end])  # [H_p, C, end]
         positions = torch.arange(start, end)
@@ -45,9 +48,9 @@ def selected_blocks(seq_len: int, ranges: list[tuple[int, int]]) -> torch.Tensor
         scores = logits.unflatten(-1, (visible, KV_BLOCK)).amax(-1)  # [H_p, C, visible]
         scores[:, torch.arange(end - start), positions // KV_BLOCK] = float("inf")  # own block
         values, order = scores.topk(min(TOP_K, visible), dim=-1)
-        kept = torch.zeros(heads, end - start, blocks, dtype=torch.bool)
-        chosen.append(kept.scatter_(2, order, values > float("-inf")))
-    return torch.cat(chosen, 1)
+        chosen[:, row:row + end - start].scatter_(2, order, values > float("-inf"))
+        row += end - start
+    return chosen
 
 
 def main() -> None:
@@ -60,12 +63,12 @@ def main() -> None:
         parser.error(f"--seq-len must be a multiple of {TILE}")
     if args.sample_tiles:
         generator = torch.Generator().manual_seed(0)
-        tiles = torch.randperm(seq_len // TILE, generator=generator)[: args.sample_tiles].sort()
-        tiles = tiles.values
+        tiles = torch.randperm(seq_len // TILE, generator=generator)[: args.sample_tiles]
+        tiles = tiles.sort().values
         ranges = [(tile * TILE, (tile + 1) * TILE) for tile in tiles.tolist()]
     else:
         tiles = torch.arange(seq_len // TILE)
-        ranges = [(start, min(start + 2048, seq_len)) for start in range(0, seq_len, 2048)]
+        ranges = [(start, min(start + CHUNK, seq_len)) for start in range(0, seq_len, CHUNK)]
     chosen = selected_blocks(seq_len, ranges)  # [H_p, tiles x TILE, nk]
     heads = chosen.shape[0]
     union = chosen.view(heads, len(tiles), TILE, -1).any(2)  # [H_p, tiles, nk]
