@@ -45,6 +45,28 @@ def checked_device(device) -> torch.device | None:
     return parsed
 
 
+def layout_device(device) -> torch.device | None:
+    """checked_device for a pattern builder, which reads the values it builds: not the meta
+    device, which holds none."""
+    parsed = checked_device(device)
+    if parsed is not None and parsed.type == "meta":
+        raise ValueError(
+            "pattern builders read the values they build, which the meta device does not "
+            "hold: pass a real device such as 'cpu' or 'cuda' (layout.to('meta') moves a built "
+            "layout)"
+        )
+    return parsed
+
+
+def check_has_values(name: str, tensor: torch.Tensor) -> None:
+    """ValueError for a tensor on the meta device, whose values a check must read."""
+    if tensor.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds no values to check: pass it on a real "
+            "device such as 'cpu' or 'cuda'"
+        )
+
+
 def check_block_size(name: str, value, sizes: tuple[int, ...] = BLOCK_SIZES) -> int:
     """A block size must be one of sizes (an int, not a float or a bool)."""
     if type(value) is not int or value not in sizes:
@@ -95,10 +117,21 @@ def check_entries(nnz: int) -> None:
         )
 
 
+def check_seq_len(name: str, value) -> None:
+    """A sequence length: a positive int below 2**31 (the kernels compute token positions in
+    int32)."""
+    _check_positive_int(name, value)
+    if value > torch.iinfo(torch.int32).max:
+        raise ValueError(
+            f"{name} must be below 2**31 (the kernels compute token positions in int32), got "
+            f"{value}"
+        )
+
+
 def _check_grid(seq_len_q, seq_len_kv, q_block, kv_block) -> None:
-    """A layout's sequence lengths (positive ints) and block sizes."""
+    """A layout's sequence lengths and block sizes."""
     for name, value in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
-        _check_positive_int(name, value)
+        check_seq_len(name, value)
     check_block_size("q_block", q_block, LAYOUT_BLOCK_SIZES)
     check_block_size("kv_block", kv_block, LAYOUT_BLOCK_SIZES)
 
@@ -135,6 +168,19 @@ def heavy_rows_first(row_offsets: torch.Tensor) -> torch.Tensor:
     return derived_from(row_offsets, "heavy_rows_first", compute)
 
 
+def _read_only(name: str) -> property:
+    """A layout tensor's attribute, read-only: the layout's checks, transpose and counts hold
+    for the tensors it was built on."""
+
+    def refuse(layout, value):
+        raise AttributeError(
+            f"layout.{name} is read-only: build a new layout (a patterns builder, or "
+            "BlockLayout(row_offsets, col_indices, ...) on the new tensors)"
+        )
+
+    return property(lambda layout: getattr(layout, f"_{name}"), refuse)
+
+
 class BlockLayout:
     """Active blocks of the attention matrix, as a batched CSR.
 
@@ -160,14 +206,16 @@ class BlockLayout:
         seq_len_kv = seq_len_q if seq_len_kv is None else seq_len_kv
         kv_block = q_block if kv_block is None else kv_block
         _check_grid(seq_len_q, seq_len_kv, q_block, kv_block)
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be a bool, got {validate!r}")
         for name, tensor in (("row_offsets", row_offsets), ("col_indices", col_indices)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {tensor.dtype}; convert with .int()")
         check_entries(col_indices.numel())
-        self.row_offsets = row_offsets
-        self.col_indices = col_indices
+        self._row_offsets = row_offsets
+        self._col_indices = col_indices
         self.seq_len_q = seq_len_q
         self.seq_len_kv = seq_len_kv
         self.q_block = q_block
@@ -193,7 +241,10 @@ class BlockLayout:
         if validate:
             self._validate()
 
-    # ---- sizes -------------------------------------------------------------------
+    # ---- tensors and sizes -----------------------------------------------------------
+    row_offsets = _read_only("row_offsets")
+    col_indices = _read_only("col_indices")
+
     @property
     def num_layouts(self) -> int:
         return self.layout_batch * self.layout_heads
@@ -260,6 +311,7 @@ class BlockLayout:
                 f"row_offsets is on {offsets.device} but col_indices on {cols.device}; "
                 "put both on one device"
             )
+        check_has_values("row_offsets", offsets)
         if int(offsets[0, 0]) != 0:
             raise ValueError(f"row_offsets must start at 0, got {int(offsets[0, 0])}")
         if int(offsets[-1, -1]) != self.nnz:
@@ -361,7 +413,19 @@ class BlockLayout:
         entries: torch.Tensor | None = None,
     ) -> BlockLayout:
         """Adopt an already computed CSC form (the tensors of a transpose() result) and,
-        optionally, its transpose_entries()."""
+        optionally, its transpose_entries(). Their shapes are checked (in eager calls), not
+        their values."""
+        shape = (self.num_layouts, self.num_kv_blocks + 1)
+        for name, tensor, need in (
+            ("row_offsets", row_offsets, shape),
+            ("col_indices", col_indices, (self.nnz,)),
+            ("entries", col_indices if entries is None else entries, (self.nnz,)),
+        ):
+            if not torch.compiler.is_compiling() and tuple(tensor.shape) != need:
+                raise ValueError(
+                    f"the transpose's {name} must have shape {list(need)} (that of this "
+                    f"layout's transpose()), got {list(tensor.shape)}"
+                )
         transposed = BlockLayout(
             row_offsets, col_indices, **self._transposed_meta(), validate=False
         )

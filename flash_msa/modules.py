@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -16,7 +15,7 @@ from flash_msa.msa.fp8 import check_score_dtype
 from flash_msa.msa.interface import check_granularity, check_msa_blocks, default_q_block
 from flash_msa.ops import registry
 from flash_msa.ops.interface import block_sparse_attn_func, check_bools, check_options
-from flash_msa.rotary import apply_rotary, rotary_tables
+from flash_msa.rotary import apply_rotary, check_base, rotary_tables
 
 PatternBuilder = Callable[..., BlockLayout]  # builder(seq_len, *, block_size, device)
 
@@ -288,8 +287,7 @@ class MSAAttention(_ProjectedAttention):
                 raise ValueError(f"{name} {dim} must be even: rotary embeddings rotate pairs")
         q_block = default_q_block(q_block, granularity, num_heads // num_proxy_heads)
         check_msa_blocks(q_block, kv_block, granularity, num_heads // num_proxy_heads)
-        if type(rope_base) not in (int, float) or not math.isfinite(rope_base) or rope_base <= 1:
-            raise ValueError(f"rope_base must be a finite number > 1, got {rope_base!r}")
+        check_base("rope_base", rope_base)
         self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads
         self.proxy_head_dim, self.rope_base = proxy_head_dim, rope_base
         self.top_k, self.q_block, self.kv_block = top_k, q_block, kv_block

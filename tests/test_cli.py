@@ -70,6 +70,7 @@ def _option_parsers():
         (["show", "causal", "--max-blocks", "-3"], "max_blocks must be a positive int, got -3"),
         (["show", "causal", "--seq-len", "0"], "seq_len must be a positive int, got 0"),
         (["show", "causal", "--seq-len", "100000000"], "more than its int32 row_offsets count"),
+        (["show", "causal", "--seq-len", "99999999999999"], "seq_len must be below 2**31"),
         (["demo", "--seq-len", "0"], "seq_len must be a positive int, got 0"),
         (["demo", "--block-size", "100"], "block_size 100 is not one of (16, 32, 64, 128)"),
         (["show", "causal", "--out", "/nonexistent/x.png"], "a .png file in an existing folder"),

@@ -384,3 +384,65 @@ def test_sizes_are_positive_ints(sizes, match):
                                                                 **sizes})  # fmt: skip
     with pytest.raises(ValueError, match="layout_batch must be a positive int, got 0"):
         causal.expand(0, 1)
+
+
+def test_sequence_lengths_stay_below_int32_positions():
+    causal = patterns.causal(256, block_size=64)
+    with pytest.raises(ValueError, match=r"seq_len_kv must be below 2\*\*31 .* got 2147483648"):
+        BlockLayout(causal.row_offsets, causal.col_indices, seq_len_q=256, seq_len_kv=2**31,
+                    q_block=64, validate=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"seq_len must be below 2\*\*31"):
+        patterns.sliding_window(2**31 + 128, 0, block_size=128)
+
+
+def test_validate_must_be_a_bool():
+    causal = patterns.causal(256, block_size=64)
+    with pytest.raises(TypeError, match="validate must be a bool, got 'no'"):
+        BlockLayout(causal.row_offsets, causal.col_indices, seq_len_q=256, q_block=64,
+                    validate="no")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["row_offsets", "col_indices"])
+def test_layout_tensors_are_read_only(name):
+    layout = patterns.causal(256, block_size=64)
+    tensor = getattr(layout, name)
+    with pytest.raises(AttributeError, match=f"layout.{name} is read-only: build a new layout"):
+        setattr(layout, name, tensor.clone())
+    assert getattr(layout, name) is tensor
+
+
+def test_attach_transpose_checks_the_shapes_of_the_transpose():
+    layout = patterns.causal(256, block_size=64)
+    transposed = patterns.causal(256, block_size=64).transpose()
+    window = patterns.sliding_window(256, 64, block_size=64).transpose()
+    bad = [
+        ((transposed.row_offsets[:, :3], transposed.col_indices), r"row_offsets must have shape "
+         r"\[1, 5\] \(that of this layout's transpose\(\)\), got \[1, 3\]"),
+        ((window.row_offsets, window.col_indices), r"col_indices must have shape \[10\]"),
+        ((transposed.row_offsets, transposed.col_indices, torch.arange(3)),
+         r"entries must have shape \[10\]"),
+    ]
+    for arguments, match in bad:
+        with pytest.raises(ValueError, match=match):
+            layout.attach_transpose(*arguments)
+    layout.attach_transpose(transposed.row_offsets, transposed.col_indices)
+    assert layout.transpose().col_indices is transposed.col_indices
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: patterns.causal(256, block_size=64, device="meta"),
+        lambda: patterns.sliding_window(256, 64, block_size=64, device="meta"),
+        lambda: patterns.from_dense_mask(torch.ones(4, 4, dtype=torch.bool, device="meta"),
+                                         seq_len_q=256, block_size=64),
+        lambda: BlockLayout(torch.zeros(1, 5, dtype=torch.int32, device="meta"),
+                            torch.zeros(0, dtype=torch.int32, device="meta"), seq_len_q=256,
+                            q_block=64),
+        lambda: patterns.documents(torch.tensor([0, 128, 256], dtype=torch.int32, device="meta"),
+                                   block_size=64),
+    ],
+)
+def test_layouts_refuse_the_meta_device(build):
+    with pytest.raises(ValueError, match="meta device"):
+        build()

@@ -68,6 +68,8 @@ def test_assigning_the_pattern_or_block_size_rebuilds_the_layouts():
         ({"embed_dim": 32, "num_heads": 4, "window_size": (5,)}, ValueError, "window_size must"),
         ({"embed_dim": 32, "num_heads": 4, "causal": 1}, TypeError, "causal must be a bool"),
         ({"embed_dim": 32, "num_heads": 4, "backend": "cuda"}, ValueError, "backend must be"),
+        ({"embed_dim": 32, "num_heads": 4, "backend": ["torch"]}, TypeError,
+         "backend must be a str, got list"),
         ({"embed_dim": 32, "num_heads": 4, "block_size": 100}, ValueError, r"block_size must be"),
         ({"embed_dim": 32, "num_heads": 4, "cp_balance": "even"}, ValueError, "cp_balance must"),
     ],

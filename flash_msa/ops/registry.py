@@ -175,6 +175,8 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> Backend:
     """The backend registered under name."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
     if name not in _BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {names()}, got {name!r}")
     return _BACKENDS[name]

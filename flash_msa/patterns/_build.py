@@ -6,7 +6,14 @@ import math
 
 import torch
 
-from flash_msa.layout import LAYOUT_BLOCK_SIZES, BlockLayout, check_block_size, check_entries
+from flash_msa.layout import (
+    LAYOUT_BLOCK_SIZES,
+    BlockLayout,
+    check_block_size,
+    check_entries,
+    check_has_values,
+    check_seq_len,
+)
 from flash_msa.sequences import check_cu_seqlens
 
 
@@ -38,8 +45,7 @@ def layout_meta(
     else:
         lengths = (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv))
     for name, value in lengths:
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_seq_len(name, value)
     if q_block is not None and kv_block is not None:
         check_block_size("block_size", block_size)  # unused, but still a mistake when wrong
     # A size the caller left out comes from block_size: name that in the error.
@@ -70,6 +76,7 @@ def grid_meta(
     checking its last two sizes against the sequence lengths and block sizes."""
     if not isinstance(grid, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(grid).__name__}")
+    check_has_values(name, grid)
     if grid.dim() not in (2, 3, 4):
         raise ValueError(
             f"{name} must be [nq, nk], [heads, nq, nk] or [batch, heads, nq, nk], "

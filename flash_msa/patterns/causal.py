@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import (
     band_rows,
     diagonal_total,
@@ -38,7 +38,7 @@ def causal(
     Returns:
         A single-head BlockLayout.
     """
-    device = checked_device(device)
+    device = layout_device(device)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     if cu_seqlens is not None:
         lower, upper = window_bounds(meta, seq_len, True, device, cu_seqlens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import (
     check_flags,
     diagonals,
@@ -43,7 +43,7 @@ def dilated(
     if not is_int(dilation) or dilation < 1:
         raise ValueError(f"dilation must be a positive int (1 = dense window), got {dilation!r}")
     check_flags(causal=causal)
-    device = checked_device(device)
+    device = layout_device(device)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     lower, upper = window_bounds(meta, window, causal, device)
     diagonal = diagonals(query_blocks(meta, device), meta)  # [nq]

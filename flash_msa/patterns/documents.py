@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import band_rows, layout_meta, row_documents
 from flash_msa.sequences import check_cu_seqlens
 
@@ -32,7 +32,7 @@ def documents(
     seq_len = int(cu_seqlens[-1])
     if seq_len < 1:
         raise ValueError(f"cu_seqlens must end at a positive number of tokens, got {seq_len}")
-    device = checked_device(device)
+    device = layout_device(device)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     device = cu_seqlens.device if device is None else device
     _, _, start, end = row_documents(meta, cu_seqlens, device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import grid_meta
 
 
@@ -31,6 +31,6 @@ def from_dense_mask(
     meta = grid_meta(block_mask, "block_mask", seq_len_q, seq_len_kv, block_size, q_block, kv_block)
     if block_mask.dtype != torch.bool:
         raise TypeError(f"block_mask must be bool, got {block_mask.dtype}; pass mask != 0")
-    device = checked_device(device)
+    device = layout_device(device)
     block_mask = block_mask.to(device) if device is not None else block_mask
     return BlockLayout.from_keys(block_mask.flatten().nonzero().squeeze(1), **meta, validate=False)

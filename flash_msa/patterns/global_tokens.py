@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import check_flags, layout_meta, rectangles, tokens_to_blocks
 from flash_msa.sequences import check_cu_seqlens
 
@@ -34,7 +34,7 @@ def global_tokens(
         A single-head BlockLayout.
     """
     check_flags(causal=causal)
-    device = checked_device(device)
+    device = layout_device(device)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     tokens_to_blocks("num_global", num_global, meta["kv_block"])
     num_global = min(num_global, seq_len)  # fits int64 however large

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import check_flags, diagonals, is_int, layout_meta, query_blocks
 
 _MASK32 = 0xFFFFFFFF
@@ -50,7 +50,7 @@ def random_blocks(
     if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     check_flags(causal=causal)
-    device = checked_device(device)
+    device = layout_device(device)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     rows = query_blocks(meta, device)  # [nq]
     num_kv_blocks = math.ceil(seq_len / meta["kv_block"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import (
     band_rows,
     check_flags,
@@ -52,7 +52,7 @@ def sliding_window(
         A single-head BlockLayout.
     """
     check_flags(causal=causal)
-    device = checked_device(device)
+    device = layout_device(device)
     meta = layout_meta(seq_len, None, block_size, q_block, kv_block)
     lower, upper = window_bounds(meta, window, causal, device, cu_seqlens)
     return band_rows(lower, upper, meta)

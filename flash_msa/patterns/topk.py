@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, layout_device
 from flash_msa.patterns._build import (
     check_flags,
     diagonal_total,
@@ -265,7 +265,7 @@ def topk(
     check_flags(include_diagonal=include_diagonal, causal=causal, fixed_counts=fixed_counts)
     if not is_int(chunk_elements) or chunk_elements < 1:
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
-    device = checked_device(device)
+    device = layout_device(device)
     if q_blocks is not None:
         q_blocks = check_query_blocks(
             q_blocks, seq_len_q=meta["seq_len_q"], seq_len=meta["seq_len_kv"],
