@@ -169,9 +169,6 @@ def _selection_kernel(
     )  # fmt: skip
 
 
-HALF_M: gl.constexpr = gl.constexpr(HALF_M)
-
-
 def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> None:
     """Fill selected (int32 [B, H_p, S, top_k], its columns from `kept` on already -1) with
     the selection of q_proxy [B, S, H_p, D_p] over k_proxy [B, S, H_pk, D_p] (both in the
