@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from flash_msa import distributed, patterns
-from flash_msa.distributed.plan import check_balance
+from flash_msa.distributed import comm
+from flash_msa.distributed.plan import check_balance, check_plan
 from flash_msa.layout import BlockLayout, check_block_size, checked_device
 from flash_msa.msa import msa_func
 from flash_msa.msa.fp8 import check_score_dtype
@@ -37,6 +38,7 @@ def _split_heads(projected: torch.Tensor, heads: list[tuple[int, int]]) -> list[
 
 
 def _check_cp_group(cp_group) -> None:
+    comm.check_member(cp_group, "cp_group")
     if cp_group is not None and not isinstance(cp_group, torch.distributed.ProcessGroup):
         raise TypeError(
             f"cp_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD after "
@@ -82,8 +84,8 @@ class _ProjectedAttention(nn.Module):
         self.qkv_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
 
-    def project_qkv(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [B, S, embed_dim] -> q [B, S, num_heads, D], k and v [B, S, num_kv_heads, D]."""
+    def check_input(self, x: torch.Tensor) -> None:
+        """x [B, S, embed_dim] in the layer's dtype and device (TypeError / ValueError)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim or x.shape[1] == 0:
@@ -100,6 +102,29 @@ class _ProjectedAttention(nn.Module):
                 f"{weight.device}: pass x in the layer's dtype and device, move the layer with "
                 ".to(...), or run under torch.autocast"
             )
+
+    def check_shard(self, x: torch.Tensor, cp_plan) -> None:
+        """With context parallelism, every rank's input and plan checked together (one
+        all_gather of a flag): a bad one on any rank raises on every rank, before a rank could
+        wait alone in the attention's collectives."""
+
+        def check() -> None:
+            self.check_input(x)
+            check_plan(cp_plan)
+            comm.check_group_size(cp_plan, self.cp_group)
+            rank = torch.distributed.get_rank(self.cp_group)
+            tokens = cp_plan.token_index(rank).numel()
+            if x.shape[1] != tokens:
+                raise ValueError(
+                    f"the shard x holds {x.shape[1]} tokens but the plan gives rank {rank} "
+                    f"{tokens}: shard with x[:, plan.token_index(rank)]"
+                )
+
+        comm.check_on_every_rank(self.cp_group, check)
+
+    def project_qkv(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [B, S, embed_dim] -> q [B, S, num_heads, D], k and v [B, S, num_kv_heads, D]."""
+        self.check_input(x)
         kv_heads = (self.num_kv_heads, self.head_dim)
         return _split_heads(self.qkv_proj(x), [(self.num_heads, self.head_dim), kv_heads, kv_heads])
 
@@ -197,10 +222,12 @@ class FlashSparseAttention(_ProjectedAttention):
     def forward(
         self, x: torch.Tensor, *, cp_plan: distributed.CpPlan | None = None
     ) -> torch.Tensor:
+        _check_cp_plan(self.cp_group, cp_plan)
+        if cp_plan is not None:
+            self.check_shard(x, cp_plan)
         q, k, v = self.project_qkv(x)
         batch, seq_len, _ = x.shape
         options = dict(causal=self.causal, window_size=self.window_size, backend=self.backend)
-        _check_cp_plan(self.cp_group, cp_plan)
         if cp_plan is None:
             layout = self.layout_for(seq_len, x.device)
             out = block_sparse_attn_func(q, k, v, layout, **options,
@@ -317,6 +344,8 @@ class MSAAttention(_ProjectedAttention):
         self, x: torch.Tensor, *, warmup: bool = False, cp_plan: distributed.CpPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_cp_plan(self.cp_group, cp_plan)
+        if cp_plan is not None:
+            self.check_shard(x, cp_plan)
         q, k, v = self.project_qkv(x)
         batch, seq_len, _ = x.shape
         proxy_dim = self.proxy_head_dim

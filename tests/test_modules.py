@@ -59,6 +59,9 @@ def test_assigning_the_pattern_or_block_size_rebuilds_the_layouts():
         layer.block_size = 100
 
 
+NON_GROUP_MEMBER = torch.distributed.GroupMember.NON_GROUP_MEMBER  # new_group's, off its ranks
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -70,6 +73,8 @@ def test_assigning_the_pattern_or_block_size_rebuilds_the_layouts():
         ({"embed_dim": 32, "num_heads": 4, "backend": "cuda"}, ValueError, "backend must be"),
         ({"embed_dim": 32, "num_heads": 4, "backend": ["torch"]}, TypeError,
          "backend must be a str, got list"),
+        ({"embed_dim": 32, "num_heads": 4, "cp_group": NON_GROUP_MEMBER}, ValueError,
+         "cp_group is GroupMember.NON_GROUP_MEMBER: this process is not a member"),
         ({"embed_dim": 32, "num_heads": 4, "block_size": 100}, ValueError, r"block_size must be"),
         ({"embed_dim": 32, "num_heads": 4, "cp_balance": "even"}, ValueError, "cp_balance must"),
     ],

@@ -27,6 +27,18 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHARD_FACTS = ("batch", "heads", "head_dim", "dtype")
 
 
+def check_member(group, name: str) -> None:
+    """ValueError for what new_group returns on the ranks it leaves out (an int,
+    GroupMember.NON_GROUP_MEMBER), in place of a group."""
+    non_member = dist.GroupMember.NON_GROUP_MEMBER
+    if type(group) is type(non_member) and group == non_member:
+        raise ValueError(
+            f"{name} is GroupMember.NON_GROUP_MEMBER: this process is not a member of the "
+            "group (new_group returns it on the ranks it leaves out); call on the group's "
+            "ranks only"
+        )
+
+
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank in `group` (the default group when None)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -34,6 +46,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
             "context parallelism needs torch.distributed: call "
             "torch.distributed.init_process_group (e.g. under torchrun) first"
         )
+    check_member(group, "group")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed ProcessGroup (or None: the default group), got "
@@ -121,13 +134,7 @@ def agree(
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered).tolist()  # [w, 2 + len(facts)]
-    failed = [other for other, row in enumerate(table) if row[0]]
-    if failed:
-        errors = [None] * len(table)
-        mine = None if failure is None else (type(failure) is TypeError, str(failure))
-        dist.all_gather_object(errors, mine, group=group)
-        type_error, message = errors[failed[0]]
-        raise (TypeError if type_error else ValueError)(f"rank {failed[0]}: {message}") from failure
+    _raise_any_failure([row[0] for row in table], failure, group)
     names = [*(f"plan {size}" for size in PLAN_SIZES), "plan", *settings, "shard tokens"]
     names += [f"{shard} {fact}" for shard in shards for fact in _SHARD_FACTS]
     for other, row in enumerate(table):
@@ -151,6 +158,33 @@ def agree(
                     "and the plan built from the same layout"
                 )
     return [row[1] for row in table]
+
+
+def check_on_every_rank(group, check: Callable[[], None]) -> None:
+    """Run this rank's check() and share its outcome (one all_gather of a flag): an error on
+    any rank raises on every rank, so that no rank goes on alone to a later collective."""
+    failure = None
+    try:
+        check()
+    except (TypeError, ValueError) as error:
+        failure = error
+    mine = torch.tensor([failure is not None], device=_collective_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    _raise_any_failure([int(flag) for flag in gathered], failure, group)
+
+
+def _raise_any_failure(failed_flags: list[int], failure: Exception | None, group) -> None:
+    """Where any rank's flag is set, raise the first such rank's error (its type and message,
+    gathered once) on every rank."""
+    failed = [other for other, flag in enumerate(failed_flags) if flag]
+    if not failed:
+        return
+    errors = [None] * len(failed_flags)
+    mine = None if failure is None else (type(failure) is TypeError, str(failure))
+    dist.all_gather_object(errors, mine, group=group)
+    type_error, message = errors[failed[0]]
+    raise (TypeError if type_error else ValueError)(f"rank {failed[0]}: {message}") from failure
 
 
 def _collective_device(group) -> torch.device:

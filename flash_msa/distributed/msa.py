@@ -20,10 +20,10 @@ from flash_msa.distributed import comm
 from flash_msa.distributed.plan import CpPlan, check_plan
 from flash_msa.layout import BlockLayout, BlockPositions
 from flash_msa.msa.block_scores import block_scores
-from flash_msa.msa.interface import MsaSelection, check_msa_inputs, kept_blocks
+from flash_msa.msa.interface import GRANULARITIES, MsaSelection, check_msa_inputs, kept_blocks
 from flash_msa.msa.kl import checked_kl_loss
 from flash_msa.msa.token_selection import select_tokens, token_selection_layout
-from flash_msa.ops.interface import block_sparse_attn_func
+from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.sequences import check_cu_seqlens, document_ids_of
 
 
@@ -138,9 +138,9 @@ def msa_func_cp(
         Backpropagate kl_loss on every rank: each rank's terms get their gradient there.
 
     Before anything moves, each rank checks its own arguments and the ranks compare their
-    plans, the shapes and dtypes of all five shards, cu_seqlens and whether a graph is built (one
-    all_gather of a few integers): an argument that one rank gets wrong, or passes otherwise
-    than the rest, raises the same error on every rank, never a hang.
+    plans, the shapes and dtypes of all five shards, cu_seqlens, the options and whether a
+    graph is built (one all_gather of a few integers): an argument that one rank gets wrong,
+    or passes otherwise than the rest, raises the same error on every rank, never a hang.
 
     Examples:
         >>> plan = cp_plan(patterns.causal(S, q_block=16, kv_block=128), world, balance="headtail")
@@ -157,18 +157,29 @@ def msa_func_cp(
             q_proxy, k_proxy, q, k, v, top_k, q_block, kv_block, proxy_softmax_scale, None,
             granularity, score_dtype, warmup,
         )  # fmt: skip
+        check_softmax_scale("softmax_scale", softmax_scale)
         _check_plan(plan, q_block, kv_block)
         comm.check_group_size(plan, group)
+        if warmup:
+            _check_warmup_plan(plan)
         refusal = _env.triton_refusal(q.device, q.dtype)
         if refusal is not None:
             reason, error = refusal
             raise error(f"msa_func_cp: {reason}")
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, total_tokens=plan.layout.seq_len_kv, device=q.device)
-        return 0, [comm.requires_grad(*shards.values()), comm.fingerprint(cu_seqlens)]
+        scales = torch.tensor([-1.0 if scale is None else scale
+                               for scale in (softmax_scale, proxy_softmax_scale)])  # fmt: skip
+        kept = kept_blocks(top_k, plan.layout.seq_len_kv, kv_block)
+        return 0, [comm.requires_grad(*shards.values()), comm.fingerprint(cu_seqlens), kept,
+                   warmup, GRANULARITIES.index(granularity), score_dtype is not None,
+                   comm.fingerprint(scales.double().view(torch.int64))]  # fmt: skip
 
     shards = dict(q=q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy)
-    comm.agree(plan, rank, group, shards, ("requires_grad", "cu_seqlens (a fingerprint)"), check)
+    settings = ("requires_grad", "cu_seqlens (a fingerprint)", "top_k (blocks kept)", "warmup",
+                "granularity (0 token, 1 block)", "score_dtype (0 None, 1 FP8)",
+                "softmax scales (a fingerprint)")  # fmt: skip
+    comm.agree(plan, rank, group, shards, settings, check)
     seq_len = plan.layout.seq_len_kv
     document_ids = None
     if cu_seqlens is not None:
@@ -180,8 +191,7 @@ def msa_func_cp(
     )
     q_blocks = plan.query_blocks(rank)
     k_proxy_all, k_all, v_all = (comm.gather_sequence(t, plan, group) for t in (k_proxy, k, v))
-    if warmup:  # the ranks agree on the plan: each raises alike
-        _check_warmup_plan(plan)
+    if warmup:
         layout, query_masks = plan.local_layout(rank), None
     else:
         layout, query_masks = _rank_selection(

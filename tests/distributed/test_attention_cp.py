@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from flash_msa import patterns
 from flash_msa.distributed import block_sparse_attn_cp, cp_plan, msa_func_cp
-from flash_msa.modules import FlashSparseAttention
+from flash_msa.modules import FlashSparseAttention, MSAAttention
 from flash_msa.msa import msa_func
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.sequences import document_ids_of
@@ -366,6 +366,59 @@ def _one_rank_differs(rank, world_size, plan, shards):
         "k_proxy heads", rank, lambda: msa_func_cp(*msa, msa_plan, kv_block=32),
         "their k_proxy heads values differ (1 and 2)",
     )  # fmt: skip
+    tokens = msa_plan.token_index(rank).numel()
+    msa = [torch.zeros(1, tokens, heads, 16) for heads in (2, 1, 4, 1, 1)]
+    msa_calls = {
+        "softmax_scale 'x'": (dict(softmax_scale="x" if last else None),
+                              f"rank {world_size - 1}: softmax_scale must be"),
+        "softmax_scale": (dict(softmax_scale=0.5 if last else None),
+                          "their softmax scales (a fingerprint) values differ;"),
+        "top_k": (dict(top_k=3 if last else 2),
+                  "their top_k (blocks kept) values differ (2 and 3)"),
+        "warmup": (dict(warmup=last), "their warmup values differ (0 and 1)"),
+        "granularity": (dict(granularity="block" if last else "token", q_block=16),
+                        "their granularity (0 token, 1 block) values differ (0 and 1)"),
+    }  # fmt: skip
+    for name, (call_options, message) in msa_calls.items():
+        failures += _expect_error(
+            name, rank, lambda call_options=call_options: msa_func_cp(
+                *msa, msa_plan, kv_block=32, **{"top_k": 2, **call_options}),
+            message,
+        )  # fmt: skip
+    failures += _layer_shards_differ(rank, world_size, last)
+    return failures
+
+
+def _layer_shards_differ(rank, world_size, last):
+    """A layer's input or plan that one rank alone gets wrong: every rank raises it, before
+    a rank could wait alone in the attention's collectives."""
+    layer = FlashSparseAttention(32, 2, block_size=32, backend="torch",
+                                 cp_group=dist.group.WORLD)  # fmt: skip
+    msa_layer = MSAAttention(32, 2, num_kv_heads=1, num_proxy_heads=2, proxy_head_dim=8, top_k=2,
+                             kv_block=32, cp_group=dist.group.WORLD)  # fmt: skip
+    failures = []
+    for name, module in (("layer", layer), ("msa layer", msa_layer)):
+        plan = module.cp_plan_for(SEQ_LEN, torch.device("cpu"))
+        tokens = plan.token_index(rank).numel()
+        wide = torch.randn(1, tokens, 16 if last else 32)
+        failures += _expect_error(
+            f"{name} x width", rank, lambda module=module, plan=plan, wide=wide: module(
+                wide, cp_plan=plan),
+            f"rank {world_size - 1}: x must be [batch, seq_len, embed_dim] with embed_dim = 32",
+        )  # fmt: skip
+        x = torch.randn(1, tokens - last, 32)
+        failures += _expect_error(
+            f"{name} short shard", rank, lambda module=module, plan=plan, x=x: module(
+                x, cp_plan=plan),
+            f"rank {world_size - 1}: the shard x holds",
+        )  # fmt: skip
+        not_a_plan = "plan" if last else plan
+        x = torch.randn(1, tokens, 32)
+        failures += _expect_error(
+            f"{name} not a plan", rank, lambda module=module, plan=not_a_plan, x=x: module(
+                x, cp_plan=plan),
+            f"rank {world_size - 1}: plan must be a CpPlan (from cp_plan), got str", TypeError,
+        )  # fmt: skip
     return failures
 
 
