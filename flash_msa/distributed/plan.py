@@ -198,6 +198,9 @@ class CpPlan:
     ):
         _check_layout(layout)
         _check_world_size(world_size, layout)
+        if not isinstance(balance, str):
+            raise TypeError(f"balance must be a str naming how the owners were chosen, got "
+                            f"{balance!r}")  # fmt: skip
         num_kv_blocks = layout.num_kv_blocks
         if not isinstance(block_owners, torch.Tensor) or block_owners.dtype != torch.int64:
             raise TypeError(

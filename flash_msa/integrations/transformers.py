@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from flash_msa import patterns
-from flash_msa.layout import BlockLayout, checked_device
+from flash_msa.layout import BlockLayout, check_seq_len, checked_device
 from flash_msa.ops.interface import (
     block_sparse_attn_func,
     block_sparse_attn_varlen_func,
@@ -250,6 +250,7 @@ def layout_for(config, layer_idx: int | None, seq_len: int, device=None) -> Bloc
         A BlockLayout over seq_len tokens.
     """
     device = torch.device("cpu") if device is None else checked_device(device)
+    check_seq_len("seq_len", seq_len)
     return _layout(_spec_key(_spec_of(config, layer_idx)), seq_len, device)
 
 

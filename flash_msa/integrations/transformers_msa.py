@@ -407,7 +407,7 @@ def load_msa_model(path, model_class=None, **kwargs):
         >>> model.save_pretrained(out_dir)  # a model converted by convert_to_msa
         >>> model = load_msa_model(out_dir, dtype=torch.bfloat16)
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     model_class = AutoModelForCausalLM if model_class is None else model_class
     if not isinstance(model_class, type) or not hasattr(model_class, "from_pretrained"):
@@ -421,11 +421,20 @@ def load_msa_model(path, model_class=None, **kwargs):
     if config is None:
         hub_options = {name: kwargs[name] for name in _HUB_OPTIONS if name in kwargs}
         config = AutoConfig.from_pretrained(path, **hub_options)
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"config must be a transformers PretrainedConfig, got {config!r}")
     _check_settings(_settings(config))
     if getattr(model_class, "_model_mapping", None) is not None:  # an Auto class
         from transformers.models.auto.auto_factory import _get_model_class
 
         model_class = _get_model_class(config, model_class._model_mapping)
+    expected = getattr(model_class, "config_class", None)
+    if expected is not None and not isinstance(config, expected):
+        raise ValueError(
+            f"the checkpoint's config is a {type(config).__name__}, but {model_class.__name__} "
+            f"takes a {expected.__name__}: pass the model class of the checkpoint's "
+            "architecture, or leave model_class out (AutoModelForCausalLM)"
+        )
     kwargs.setdefault("attn_implementation", _register(ATTENTION_NAME, attention_forward))
     return _msa_class(model_class).from_pretrained(path, config=config, **kwargs)
 

@@ -328,6 +328,8 @@ def test_custom_owners_are_checked():
         CpPlan(layout, 2, torch.full((8,), 2))
     with pytest.raises(ValueError, match="rank 1 owns no kv block"):
         CpPlan(layout, 2, torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="balance must be a str naming how the owners were"):
+        CpPlan(layout, 2, torch.arange(8) % 2, balance=3)
     interleaved = CpPlan(layout, 2, torch.arange(8) % 2)
     check_plan(interleaved)
     assert interleaved.token_index(1)[:3].tolist() == [32, 33, 34]

@@ -263,6 +263,8 @@ def test_layout_built_once_per_length_and_device(name):
     assert layouts[0] is layouts[1]
     with pytest.raises(ValueError, match="device must name a torch device.*got 'gpu'"):
         flash_msa_hf.layout_for(model.config, 0, 56, device="gpu")
+    with pytest.raises(ValueError, match=r"seq_len must be a positive int, got \[56\]"):
+        flash_msa_hf.layout_for(model.config, 0, [56])
 
 
 def test_deterministic_reaches_the_op(name):

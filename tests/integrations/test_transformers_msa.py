@@ -222,6 +222,10 @@ def test_save_and_load_round_trip(tmp_path):
     tiny_model().save_pretrained(tmp_path / "unconverted")
     with pytest.raises(ValueError, match="no MSA settings"):
         msa_hf.load_msa_model(tmp_path / "unconverted")
+    with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
+        msa_hf.load_msa_model(tmp_path, config="x")
+    with pytest.raises(ValueError, match="config is a LlamaConfig, but Qwen2ForCausalLM takes"):
+        msa_hf.load_msa_model(tmp_path, model_class=transformers.Qwen2ForCausalLM)
 
 
 def test_fp8_scores_reach_msa_func_and_survive_saving(tmp_path):
