@@ -209,7 +209,9 @@ def block_sparse_attn_cp(
         q: [B, S_local, H_q, D]; k, v: [B, S_local, H_kv, D]: this rank's tokens, in
             plan.token_index(rank) order (x[:, plan.token_index(rank)] of the whole).
         plan: a CpPlan of the global layout for the group's size (cp_plan).
-        group: the process group of the sequence's ranks (default: the world).
+        group: the process group of the sequence's ranks (default: the world), the same on
+            every rank (all None, or all the result of one new_group call): the ranks'
+            checks run on it, so ranks passing different groups wait on each other.
         causal, window_size, softmax_scale, dropout_p, backend: as block_sparse_attn_func
             (positions are global; dropout draws the bits one process would).
         return_lse: also return lse fp32 [B, H_q, S_local].

@@ -124,6 +124,7 @@ def msa_func_cp(
         q_proxy: [B, S_local, H_p, D_p]; k_proxy: [B, S_local, H_pk, D_p]; q: [B, S_local,
             H_q, D]; k, v: [B, S_local, H_kv, D]: this rank's tokens in
             plan.token_index(rank) order.
+        group: as block_sparse_attn_cp's (the same on every rank).
         plan: cp_plan of patterns.causal(S, q_block=q_block, kv_block=kv_block) for the
             group's size ("headtail" balances MSA's scoring, which grows with position);
             for rows of one token (q_block 1) a plan of patterns.causal(S, q_block=1, ...).
