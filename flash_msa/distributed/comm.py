@@ -168,7 +168,7 @@ def check_on_every_rank(group, check: Callable[[], None]) -> None:
         check()
     except (TypeError, ValueError) as error:
         failure = error
-    mine = torch.tensor([failure is not None], device=_collective_device(group))
+    mine = torch.tensor([failure is not None], dtype=torch.int64, device=_collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     _raise_any_failure([int(flag) for flag in gathered], failure, group)
