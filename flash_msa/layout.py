@@ -45,26 +45,21 @@ def checked_device(device) -> torch.device | None:
     return parsed
 
 
+def check_not_meta(name: str, device: torch.device | None) -> None:
+    """ValueError where `name`, which a builder or a check reads, would be on the meta
+    device: it holds no values."""
+    if device is not None and device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds no values to build or check: pass a "
+            "real device such as 'cpu' or 'cuda'"
+        )
+
+
 def layout_device(device) -> torch.device | None:
-    """checked_device for a pattern builder, which reads the values it builds: not the meta
-    device, which holds none."""
+    """checked_device for a pattern builder, which reads the values it builds."""
     parsed = checked_device(device)
-    if parsed is not None and parsed.type == "meta":
-        raise ValueError(
-            "pattern builders read the values they build, which the meta device does not "
-            "hold: pass a real device such as 'cpu' or 'cuda' (layout.to('meta') moves a built "
-            "layout)"
-        )
+    check_not_meta("the layout to build", parsed)
     return parsed
-
-
-def check_has_values(name: str, tensor: torch.Tensor) -> None:
-    """ValueError for a tensor on the meta device, whose values a check must read."""
-    if tensor.device.type == "meta":
-        raise ValueError(
-            f"{name} is on the meta device, which holds no values to check: pass it on a real "
-            "device such as 'cpu' or 'cuda'"
-        )
 
 
 def check_block_size(name: str, value, sizes: tuple[int, ...] = BLOCK_SIZES) -> int:
@@ -311,7 +306,7 @@ class BlockLayout:
                 f"row_offsets is on {offsets.device} but col_indices on {cols.device}; "
                 "put both on one device"
             )
-        check_has_values("row_offsets", offsets)
+        check_not_meta("row_offsets", offsets.device)
         if int(offsets[0, 0]) != 0:
             raise ValueError(f"row_offsets must start at 0, got {int(offsets[0, 0])}")
         if int(offsets[-1, -1]) != self.nnz:
@@ -416,11 +411,10 @@ class BlockLayout:
         optionally, its transpose_entries(). Their shapes are checked (in eager calls), not
         their values."""
         shape = (self.num_layouts, self.num_kv_blocks + 1)
-        for name, tensor, need in (
-            ("row_offsets", row_offsets, shape),
-            ("col_indices", col_indices, (self.nnz,)),
-            ("entries", col_indices if entries is None else entries, (self.nnz,)),
-        ):
+        given = {"row_offsets": (row_offsets, shape), "col_indices": (col_indices, (self.nnz,))}
+        if entries is not None:
+            given["entries"] = (entries, (self.nnz,))
+        for name, (tensor, need) in given.items():
             if not torch.compiler.is_compiling() and tuple(tensor.shape) != need:
                 raise ValueError(
                     f"the transpose's {name} must have shape {list(need)} (that of this "

@@ -112,7 +112,7 @@ class _ProjectedAttention(nn.Module):
             self.check_input(x)
             check_plan(cp_plan)
             comm.check_group_size(cp_plan, self.cp_group)
-            rank = torch.distributed.get_rank(self.cp_group)
+            rank = comm.group_rank(self.cp_group)
             tokens = cp_plan.token_index(rank).numel()
             if x.shape[1] != tokens:
                 raise ValueError(

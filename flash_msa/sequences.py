@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa.layout import check_has_values
+from flash_msa.layout import check_not_meta
 
 
 def check_cu_seqlens(
@@ -28,7 +28,7 @@ def check_cu_seqlens(
         raise ValueError(
             f"cu_seqlens is on {cu_seqlens.device} but the tensors on {device}; move it there"
         )
-    check_has_values("cu_seqlens", cu_seqlens)
+    check_not_meta("cu_seqlens", cu_seqlens.device)
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
     if first != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {first}")
@@ -105,7 +105,7 @@ def check_document_ids(document_ids: torch.Tensor, batch: int, seq_len: int, dev
         raise ValueError(
             f"document_ids is on {document_ids.device} but the tensors on {device}; move it"
         )
-    check_has_values("document_ids", document_ids)
+    check_not_meta("document_ids", document_ids.device)
     int32 = torch.iinfo(torch.int32)  # the kernels read the ids as int32
     flags = [
         (document_ids[:, 1:] < document_ids[:, :-1]).any(),

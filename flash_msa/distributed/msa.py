@@ -170,11 +170,12 @@ def msa_func_cp(
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, total_tokens=plan.layout.seq_len_kv, device=q.device)
         scales = torch.tensor([-1.0 if scale is None else scale
-                               for scale in (softmax_scale, proxy_softmax_scale)])  # fmt: skip
+                               for scale in (softmax_scale, proxy_softmax_scale)],
+                              dtype=torch.float64)  # fmt: skip
         kept = kept_blocks(top_k, plan.layout.seq_len_kv, kv_block)
         return 0, [comm.requires_grad(*shards.values()), comm.fingerprint(cu_seqlens), kept,
                    warmup, GRANULARITIES.index(granularity), score_dtype is not None,
-                   comm.fingerprint(scales.double().view(torch.int64))]  # fmt: skip
+                   comm.fingerprint(scales.view(torch.int64))]  # fmt: skip
 
     shards = dict(q=q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy)
     settings = ("requires_grad", "cu_seqlens (a fingerprint)", "top_k (blocks kept)", "warmup",

@@ -11,7 +11,7 @@ from flash_msa.layout import (
     BlockLayout,
     check_block_size,
     check_entries,
-    check_has_values,
+    check_not_meta,
     check_seq_len,
 )
 from flash_msa.sequences import check_cu_seqlens
@@ -76,7 +76,7 @@ def grid_meta(
     checking its last two sizes against the sequence lengths and block sizes."""
     if not isinstance(grid, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(grid).__name__}")
-    check_has_values(name, grid)
+    check_not_meta(name, grid.device)
     if grid.dim() not in (2, 3, 4):
         raise ValueError(
             f"{name} must be [nq, nk], [heads, nq, nk] or [batch, heads, nq, nk], "
