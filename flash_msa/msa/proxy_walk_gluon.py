@@ -57,10 +57,10 @@ def key_descriptor(k_proxy: torch.Tensor) -> TensorDescriptor:
 
 
 @gluon.jit
-def key_ring(k_desc, NUM_STAGES: gl.constexpr):
-    """The ring of key tiles (k_desc's blocks) and its "ready" and "empty" mbarriers, set up
-    and fenced (with the shared-memory stores before it) for the async proxy: (k_smem,
-    k_ready, k_empty)."""
+def key_ring(k_desc, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+    """The ring of key tiles (k_desc's blocks) and its "ready" and "empty" mbarriers (a slot
+    freed by one arrival per consumer warpgroup), set up and fenced (with the shared-memory
+    stores before it) for the async proxy: (k_smem, k_ready, k_empty)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     PROXY_DIM: gl.constexpr = k_desc.block_type.shape[1]
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, KEYS, PROXY_DIM], k_desc.layout)
@@ -68,26 +68,43 @@ def key_ring(k_desc, NUM_STAGES: gl.constexpr):
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
     fence_async_shared()
     return k_smem, k_ready, k_empty
 
 
 @gluon.jit
-def load_key_tiles(k_desc, k_smem, k_ready, k_empty, key_row, key_column, blocks):
-    """The producer warp: proxy key tiles 0 .. blocks - 1 (rows key_row + 128 * block of
-    k_desc's view, from column key_column) into the ring."""
+def load_key_tile(k_desc, k_smem, k_ready, k_empty, key_row, key_column, block):
+    """Key tile `block` (rows key_row + 128 * block of k_desc's view, from column
+    key_column) into its slot of the ring, once every consumer has freed the slot's
+    previous tile."""
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    stage = block % NUM_STAGES
+    # A fresh barrier counts as having completed the phase before 0: the first waits pass
+    # at once.
+    mbarrier.wait(k_empty.index(stage), ((block // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(
+        k_desc, [key_row + block * KEYS, key_column], k_ready.index(stage), k_smem.index(stage)
+    )
+
+
+@gluon.jit
+def load_key_tiles(k_desc, k_smem, k_ready, k_empty, key_row, key_column, blocks):
+    """The producer warp: proxy key tiles 0 .. blocks - 1 into the ring (load_key_tile)."""
     for block in range(blocks):
-        stage = block % NUM_STAGES
-        # A fresh barrier counts as having completed the phase before 0: the first waits
-        # pass at once.
-        mbarrier.wait(k_empty.index(stage), ((block // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [key_row + block * KEYS, key_column], k_ready.index(stage), k_smem.index(stage)
-        )
+        load_key_tile(k_desc, k_smem, k_ready, k_empty, key_row, key_column, block)
+
+
+@gluon.jit
+def _refill(loads, k_smem, k_ready, k_empty, block):
+    """A consumer that loads the ring itself (loads = (k_desc, key_row, key_column, blocks),
+    else None): key tile `block`, if the walk has it."""
+    if loads is not None:
+        k_desc, key_row, key_column, blocks = loads
+        if block < blocks:
+            load_key_tile(k_desc, k_smem, k_ready, k_empty, key_row, key_column, block)
 
 
 @gluon.jit
@@ -102,7 +119,8 @@ def _issue(q, k_smem, k_ready, block, acc):
 
 
 @gluon.jit
-def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: gl.constexpr):
+def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: gl.constexpr,
+                loads=None):  # fmt: skip
     """One consumer warpgroup's walk over blocks first .. end - 1 with q [64, D_p] (shared
     memory): state = ENTER(s, block, state, values) for each block's product s [64, 128]
     (done), in block order; returns the last state. The products alternate between two
@@ -112,7 +130,10 @@ def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: g
     product before it frees the last block's slot; an odd one issues it after, so the
     producer must then load fewer than NUM_STAGES more blocks (else the product could wait
     for that slot's next keys, which this consumer has yet to free): walks followed by
-    NUM_STAGES or more blocks cover an even number."""
+    NUM_STAGES or more blocks cover an even number. With loads (see _refill) this consumer
+    also fills the ring: having freed block b, it loads block b + NUM_STAGES - 1 into the
+    slot of block b - 1 (which every consumer has most likely freed by then); the caller
+    loads blocks first .. first + NUM_STAGES - 2 before the walk."""
     ROWS: gl.constexpr = q.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -124,12 +145,14 @@ def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: g
         for pair in range(first, end, 2):
             done = warpgroup_mma_wait(0, deps=(even,))
             mbarrier.arrive(k_empty.index(pair % NUM_STAGES))
+            _refill(loads, k_smem, k_ready, k_empty, pair + NUM_STAGES - 1)
             odd = _issue(q, k_smem, k_ready, gl.minimum(pair + 1, last), odd)
             state = ENTER(done, pair, state, values)
             odd = warpgroup_mma_wait(0, deps=(odd,))
             even = _issue(q, k_smem, k_ready, gl.minimum(pair + 2, last), done)
             if pair + 1 < end:
                 mbarrier.arrive(k_empty.index((pair + 1) % NUM_STAGES))
+                _refill(loads, k_smem, k_ready, k_empty, pair + NUM_STAGES)
                 state = ENTER(odd, pair + 1, state, values)
         warpgroup_mma_wait(0, deps=(even,))
     return state

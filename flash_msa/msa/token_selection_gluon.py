@@ -40,13 +40,15 @@ from flash_msa.msa.proxy_walk_gluon import (
     PROXY_DIMS,
     key_descriptor,
     key_ring,
+    load_key_tile,
     load_key_tiles,
     walk_blocks,
 )
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
-BLOCK_M = 128  # rows of a program
+CONSUMERS = 3  # consumer warpgroups a program, 64 rows each
+THREE_CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(MAX_REGISTERS)
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
 # Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
 # spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
@@ -93,9 +95,10 @@ def _enter(s, block, top_k, values):
 @gluon.jit
 def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.constexpr,
               TOP_K: gl.constexpr, SLOTS: gl.constexpr, PACK: gl.constexpr,
-              SCALED: gl.constexpr):  # fmt: skip
+              SCALED: gl.constexpr, loads=None):  # fmt: skip
     """One warpgroup's 64 rows: the walk (each block's product runs while the block before
-    it enters the top-k), then its rows of the output (see ranked_blocks)."""
+    it enters the top-k), then its rows of the output (see ranked_blocks). With loads
+    (k_desc, key_row, key_column), this consumer also fills the ring (no producer warp)."""
     first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s = tile_values
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -111,7 +114,16 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(0, slot_layout))  # [SLOTS]
     top_k = empty_slots(slots, gl.zeros([ROWS, SLOTS], gl.float32, slot_layout), TOP_K)
     values = (own_blocks, row_valid, slots, k_scales, TOP_K, SCALED)
-    top_k = walk_blocks(q, k_smem, k_ready, k_empty, 0, blocks, top_k, values, _enter)
+    walk_loads = None
+    if loads is not None:
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        k_desc, key_row, key_column = loads
+        for block in gl.static_range(NUM_STAGES - 1):
+            if block < blocks:
+                load_key_tile(k_desc, k_smem, k_ready, k_empty, key_row, key_column, block)
+        walk_loads = (k_desc, key_row, key_column, blocks)
+    top_k = walk_blocks(q, k_smem, k_ready, k_empty, 0, blocks, top_k, values, _enter,
+                        walk_loads)  # fmt: skip
     ranked, columns = ranked_blocks(top_k[1], own_blocks, slots, TOP_K)
     out_rows = out_base + heads.to(gl.int64) * stride_o_h + tokens.to(gl.int64) * stride_o_s
     gl.store(gl.expand_dims(out_rows, 1) + columns, gl.where(ranked < 0, -1, ranked),
@@ -123,14 +135,14 @@ def _selection_kernel(
     q_proxy, k_desc, selected, k_scales, stride_q_b, stride_q_s, stride_q_h, stride_ks_b,
     stride_ks_h, stride_o_b, stride_o_h, stride_o_s, seq_len, proxy_group,
     PROXY_DIM: gl.constexpr, PACK: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr,
-    SCALED: gl.constexpr, NUM_STAGES: gl.constexpr,
+    SCALED: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    """Grid (ceil(S / ROWS), H_p / PACK, B), ROWS = 128 / PACK tokens a program, the
+    """Grid (ceil(S / ROWS), H_p / PACK, B), ROWS = 64 * CONSUMERS / PACK tokens a program, the
     longest walks first. k_desc: a TMA view [B * S, H_pk * D_p] of the proxy keys in blocks
     [128, D_p]; k_scales: fp32 [B, H_pk, num_kv_blocks] with SCALED (FP8), else unread."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = k_desc.dtype
-    ROWS: gl.constexpr = 128 // PACK
+    ROWS: gl.constexpr = HALF_M * CONSUMERS // PACK
     tile = (seq_len + ROWS - 1) // ROWS - 1 - gl.program_id(0)
     first_head = gl.program_id(1) * PACK
     batch = gl.program_id(2).to(gl.int64)
@@ -140,10 +152,10 @@ def _selection_kernel(
 
     # The tile's query rows, once, into shared memory: each consumer's A operand.
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, PROXY_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, PROXY_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, PROXY_DIM], q_layout)
     load_layout: gl.constexpr = row_layout(PROXY_DIM)  # [HALF_M, D_p] over 4 warps
     dims = gl.arange(0, PROXY_DIM, layout=gl.SliceLayout(0, load_layout))  # [D_p]
-    for half in gl.static_range(2):
+    for half in gl.static_range(CONSUMERS):
         rows = half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, load_layout))
         tokens = first + rows // PACK  # [HALF_M]
         offsets = (batch * stride_q_b + tokens.to(gl.int64) * stride_q_s
@@ -151,22 +163,35 @@ def _selection_kernel(
         q_half = gl.load(q_proxy + gl.expand_dims(offsets, 1) + gl.expand_dims(dims, 0),
                          mask=gl.expand_dims(tokens < seq_len, 1), other=0.0)  # fmt: skip
         q_smem.index(half).store(q_half)  # [HALF_M, D_p]
-    k_smem, k_ready, k_empty = key_ring(k_desc, NUM_STAGES)
+    k_smem, k_ready, k_empty = key_ring(k_desc, NUM_STAGES, CONSUMERS)
 
     k_scales += batch * stride_ks_b + key_head * stride_ks_h
     out_base = selected + batch * stride_o_b
     tile_values = (first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s)
     # The default partition (this kernel's 4 warps) is the first consumer.
-    gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
-                      SLOTS, PACK, SCALED)),
-         (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
-                      SLOTS, PACK, SCALED)),
-         (load_key_tiles, (k_desc, k_smem, k_ready, k_empty, gl.program_id(2) * seq_len,
-                      key_head * PROXY_DIM, blocks))],
-        [CONSUMER_WARPS, PRODUCER_WARPS],
-        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
-    )  # fmt: skip
+    if CONSUMERS == 2:
+        gl.warp_specialize(
+            [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
+                          SLOTS, PACK, SCALED)),
+             (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
+                          SLOTS, PACK, SCALED)),
+             (load_key_tiles, (k_desc, k_smem, k_ready, k_empty, gl.program_id(2) * seq_len,
+                               key_head * PROXY_DIM, blocks))],
+            [CONSUMER_WARPS, PRODUCER_WARPS],
+            [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+        )  # fmt: skip
+    else:  # three consumers, the first also filling the ring: 12 warps at 168 registers
+        loads = (k_desc, gl.program_id(2) * seq_len, key_head * PROXY_DIM)
+        gl.warp_specialize(
+            [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
+                          SLOTS, PACK, SCALED, loads)),
+             (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
+                          SLOTS, PACK, SCALED)),
+             (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 2, TOP_K,
+                          SLOTS, PACK, SCALED))],
+            [CONSUMER_WARPS, CONSUMER_WARPS],
+            [THREE_CONSUMER_REGISTERS, THREE_CONSUMER_REGISTERS],
+        )  # fmt: skip
 
 
 def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> None:
@@ -178,7 +203,7 @@ def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> Non
     key_heads = k_proxy.shape[2]
     k_desc = key_descriptor(k_proxy)
     scaled = k_scales is not None
-    rows = BLOCK_M // pack
+    rows = 64 * CONSUMERS // pack
     grid = (triton.cdiv(seq_len, rows), heads // pack, batch)
     _selection_kernel[grid](
         q_proxy=q_proxy, k_desc=k_desc, selected=selected,
@@ -189,7 +214,8 @@ def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> Non
         stride_o_b=selected.stride(0), stride_o_h=selected.stride(1),
         stride_o_s=selected.stride(2), seq_len=seq_len, proxy_group=heads // key_heads,
         PROXY_DIM=proxy_dim, PACK=pack, TOP_K=kept, SLOTS=slot_count(kept),
-        SCALED=scaled, NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
+        SCALED=scaled, NUM_STAGES=NUM_STAGES, CONSUMERS=CONSUMERS, num_warps=4,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
@@ -202,8 +228,8 @@ def compile_for_sm90(workdir: str, scores: str = "bf16", proxy_dim: int = 128) -
 
     types = dict(q_proxy=f"*{scores}", k_desc=codegen.descriptor_type(scores, KV_BLOCK, proxy_dim),
                  selected="*i32", k_scales="*fp32")  # fmt: skip
-    constexprs = dict(PROXY_DIM=proxy_dim, PACK=4, TOP_K=16, SLOTS=16,
-                      SCALED=scores == "fp8e4nv", NUM_STAGES=NUM_STAGES)  # fmt: skip
+    constexprs = dict(PROXY_DIM=proxy_dim, PACK=4, TOP_K=16, SLOTS=16, SCALED=scores == "fp8e4nv",
+                      NUM_STAGES=NUM_STAGES, CONSUMERS=CONSUMERS)  # fmt: skip
     report = codegen.compile_kernel(_selection_kernel, types, constexprs, workdir,
                                     f"token_selection_{scores}_d{proxy_dim}")  # fmt: skip
     with open(report["sass"]) as handle:
