@@ -3,18 +3,18 @@ kernel of token_selection.py (the same running top-k, running_top_k.py, so the s
 choices), with the proxy products on asynchronous warpgroup MMAs that run under the top-k
 work.
 
-A program owns 128 rows, ROWS tokens x PACK proxy heads sharing a proxy key head, as the
-Triton kernel's tiles do, and walks the kv blocks before its last token's own block. Three
-partitions of warps share it (gl.warp_specialize):
-
-- a producer warp issues TMA loads of the proxy key tiles [128, D_p] into a NUM_STAGES-deep
-  shared-memory ring, each slot guarded by a "ready" and an "empty" mbarrier;
-- two consumer warpgroups, each owning 64 of the rows, issue the product of the next block
-  ([64, 128] fp32, an async warpgroup MMA) before they take the row maxima of this block and
-  enter them into the running top-(top_k - 1), so the tensor cores work while they do.
+A program owns 192 rows, ROWS tokens x PACK proxy heads sharing a proxy key head, and walks
+the kv blocks before its last token's own block. Three consumer warpgroups share it
+(gl.warp_specialize), each owning 64 of the rows: each issues the product of the next block
+([64, 128] fp32, an async warpgroup MMA) before it takes the row maxima of this block and
+enters them into the running top-(top_k - 1), so the tensor cores work while it does. The
+first also issues the TMA loads of the proxy key tiles [128, D_p] into a NUM_STAGES-deep
+shared-memory ring, each slot guarded by a "ready" and an "empty" mbarrier: a producer warp
+beside three warpgroups does not fit the register file (Triton pads it to a warpgroup),
+where the 12 warps alone take 168 registers a thread without spills.
 
 The query rows are loaded once, by the default warps before the partitions split, and kept
-in shared memory; the producer and the consumers' walk are proxy_walk_gluon.py's.
+in shared memory; the ring and the consumers' walk are proxy_walk_gluon.py's.
 Documents, q_blocks (context parallelism), kv blocks other than 128, D_p other than 64 or
 128 and more than MAX_KEPT blocks a token take the Triton kernel (supports says which calls
 this one takes).
@@ -29,27 +29,24 @@ from triton.experimental.gluon import language as gl
 
 from flash_msa import _env
 from flash_msa.msa.proxy_walk_gluon import (
-    CONSUMER_REGISTERS,
     CONSUMER_WARPS,
     DTYPES,
     KV_BLOCK,
     MAX_REGISTERS,
     NUM_STAGES,
-    PRODUCER_REGISTERS,
-    PRODUCER_WARPS,
     PROXY_DIMS,
     key_descriptor,
     key_ring,
     load_key_tile,
-    load_key_tiles,
     walk_blocks,
 )
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
 from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
-CONSUMERS = 3  # consumer warpgroups a program, 64 rows each
-THREE_CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(MAX_REGISTERS)
+CONSUMERS: gl.constexpr = gl.constexpr(3)  # consumer warpgroups a program
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
+BLOCK_M = 192  # rows of a program: CONSUMERS x HALF_M
+REGISTERS: gl.constexpr = gl.constexpr(MAX_REGISTERS)  # a thread, in every partition
 # Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
 # spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
 MAX_KEPT = 64
@@ -106,7 +103,7 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     slot_layout: gl.constexpr = mma_layout(SLOTS, dtype)
     rows_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
     q = q_smem.index(HALF)  # [HALF_M, D_p]
-    rows = HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)  # [HALF_M] of the tile's 128
+    rows = HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)  # [HALF_M] of the tile's 192
     tokens = first + rows // PACK  # [HALF_M]
     heads = first_head + rows % PACK  # [HALF_M]
     row_valid = tokens < seq_len
@@ -135,9 +132,9 @@ def _selection_kernel(
     q_proxy, k_desc, selected, k_scales, stride_q_b, stride_q_s, stride_q_h, stride_ks_b,
     stride_ks_h, stride_o_b, stride_o_h, stride_o_s, seq_len, proxy_group,
     PROXY_DIM: gl.constexpr, PACK: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr,
-    SCALED: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+    SCALED: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Grid (ceil(S / ROWS), H_p / PACK, B), ROWS = 64 * CONSUMERS / PACK tokens a program, the
+    """Grid (ceil(S / ROWS), H_p / PACK, B), ROWS = BLOCK_M / PACK tokens a program, the
     longest walks first. k_desc: a TMA view [B * S, H_pk * D_p] of the proxy keys in blocks
     [128, D_p]; k_scales: fp32 [B, H_pk, num_kv_blocks] with SCALED (FP8), else unread."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -168,30 +165,18 @@ def _selection_kernel(
     k_scales += batch * stride_ks_b + key_head * stride_ks_h
     out_base = selected + batch * stride_o_b
     tile_values = (first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s)
-    # The default partition (this kernel's 4 warps) is the first consumer.
-    if CONSUMERS == 2:
-        gl.warp_specialize(
-            [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
-                          SLOTS, PACK, SCALED)),
-             (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
-                          SLOTS, PACK, SCALED)),
-             (load_key_tiles, (k_desc, k_smem, k_ready, k_empty, gl.program_id(2) * seq_len,
-                               key_head * PROXY_DIM, blocks))],
-            [CONSUMER_WARPS, PRODUCER_WARPS],
-            [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
-        )  # fmt: skip
-    else:  # three consumers, the first also filling the ring: 12 warps at 168 registers
-        loads = (k_desc, gl.program_id(2) * seq_len, key_head * PROXY_DIM)
-        gl.warp_specialize(
-            [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
-                          SLOTS, PACK, SCALED, loads)),
-             (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
-                          SLOTS, PACK, SCALED)),
-             (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 2, TOP_K,
-                          SLOTS, PACK, SCALED))],
-            [CONSUMER_WARPS, CONSUMER_WARPS],
-            [THREE_CONSUMER_REGISTERS, THREE_CONSUMER_REGISTERS],
-        )  # fmt: skip
+    # The default partition (this kernel's 4 warps) is the first consumer, which fills the ring.
+    loads = (k_desc, gl.program_id(2) * seq_len, key_head * PROXY_DIM)
+    gl.warp_specialize(
+        [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
+                      SLOTS, PACK, SCALED, loads)),
+         (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 1, TOP_K,
+                      SLOTS, PACK, SCALED)),
+         (_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 2, TOP_K,
+                      SLOTS, PACK, SCALED))],
+        [CONSUMER_WARPS, CONSUMER_WARPS],
+        [REGISTERS, REGISTERS],
+    )  # fmt: skip
 
 
 def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> None:
@@ -203,7 +188,7 @@ def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> Non
     key_heads = k_proxy.shape[2]
     k_desc = key_descriptor(k_proxy)
     scaled = k_scales is not None
-    rows = 64 * CONSUMERS // pack
+    rows = BLOCK_M // pack
     grid = (triton.cdiv(seq_len, rows), heads // pack, batch)
     _selection_kernel[grid](
         q_proxy=q_proxy, k_desc=k_desc, selected=selected,
@@ -214,8 +199,7 @@ def select(q_proxy, k_proxy, k_scales, selected, *, kept: int, pack: int) -> Non
         stride_o_b=selected.stride(0), stride_o_h=selected.stride(1),
         stride_o_s=selected.stride(2), seq_len=seq_len, proxy_group=heads // key_heads,
         PROXY_DIM=proxy_dim, PACK=pack, TOP_K=kept, SLOTS=slot_count(kept),
-        SCALED=scaled, NUM_STAGES=NUM_STAGES, CONSUMERS=CONSUMERS, num_warps=4,
-        maxnreg=MAX_REGISTERS,
+        SCALED=scaled, NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
@@ -228,8 +212,8 @@ def compile_for_sm90(workdir: str, scores: str = "bf16", proxy_dim: int = 128) -
 
     types = dict(q_proxy=f"*{scores}", k_desc=codegen.descriptor_type(scores, KV_BLOCK, proxy_dim),
                  selected="*i32", k_scales="*fp32")  # fmt: skip
-    constexprs = dict(PROXY_DIM=proxy_dim, PACK=4, TOP_K=16, SLOTS=16, SCALED=scores == "fp8e4nv",
-                      NUM_STAGES=NUM_STAGES, CONSUMERS=CONSUMERS)  # fmt: skip
+    constexprs = dict(PROXY_DIM=proxy_dim, PACK=4, TOP_K=16, SLOTS=16,
+                      SCALED=scores == "fp8e4nv", NUM_STAGES=NUM_STAGES)  # fmt: skip
     report = codegen.compile_kernel(_selection_kernel, types, constexprs, workdir,
                                     f"token_selection_{scores}_d{proxy_dim}")  # fmt: skip
     with open(report["sass"]) as handle:
