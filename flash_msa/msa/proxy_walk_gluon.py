@@ -1,12 +1,14 @@
 """The walk over proxy key blocks that MSA's scoring kernels for Hopper (sm_90, Gluon) share:
 per-token selection (token_selection_gluon.py) and block scores (block_scores_gluon.py).
 
-A program holds 128 proxy query rows in shared memory, two consumer warpgroups of 64 rows
-each, and walks kv blocks 0 .. blocks - 1 of one proxy key head:
+A program holds its proxy query rows in shared memory, a consumer warpgroup for each 64 of
+them, and walks kv blocks 0 .. blocks - 1 of one proxy key head:
 
-- a producer warp (load_key_tiles) issues TMA loads of the key tiles [128, D_p] into a
-  NUM_STAGES-deep shared-memory ring, each slot guarded by a "ready" and an "empty"
-  mbarrier;
+- TMA loads of the key tiles [128, D_p] fill a NUM_STAGES-deep shared-memory ring, each
+  slot guarded by a "ready" and an "empty" mbarrier: issued by a producer warp
+  (load_key_tiles; block scores, two consumers) or by the first consumer within its walk
+  (per-token selection, three consumers: a producer warp beside them does not fit the
+  register file);
 - each consumer (walk_blocks, over all of the blocks or over consecutive runs of them)
   issues the product of the next block ([64, 128] fp32, an async
   warpgroup MMA) before it hands this block's product to its kernel's ENTER function, so the
@@ -36,8 +38,9 @@ PROXY_DIMS = (64, 128)
 NUM_STAGES = 4  # key tiles in flight (deeper rings measured no faster: docs/performance.md)
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
-# setmaxnreg budgets of the three warpgroups (2 consumers and the producer's): 168 a thread
-# on average (64K registers / 384 threads, rounded down to 8), most of it the consumers'.
+# setmaxnreg budgets of block scores' three warpgroups (2 consumers and the producer's): 168
+# a thread on average (64K registers / 384 threads, rounded down to 8), most of it the
+# consumers'.
 MAX_REGISTERS = 168
 CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(240)
 PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
