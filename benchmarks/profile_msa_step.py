@@ -2,15 +2,20 @@
 its GPU time: torch.profiler's table of two steps, ops and kernels by CUDA time; with
 --memory, where its peak memory goes instead: the allocations the step made that are alive
 at its peak, summed by their flash_msa call site (the rest of the peak is what the caller
-holds: the inputs and dout).
+holds: the inputs and dout); with --syncs, where the host holds the GPU up: each call that
+synchronises with the device (torch.cuda.set_sync_debug_mode) and its flash_msa stack, the
+step's time over 5 steps by CUDA events, and the idle gaps between one profiled step's
+kernels.
 
     python3 benchmarks/profile_msa_step.py [--seq-len 1m] [--granularity token] [--q-block 8]
-        [--scores bf16] [--rows 30] [--memory]
+        [--scores bf16] [--rows 30] [--memory | --syncs]
 """
 
 from __future__ import annotations
 
 import argparse
+import traceback
+import warnings
 from collections import defaultdict
 
 import torch
@@ -30,6 +35,7 @@ def main() -> None:
     parser.add_argument("--scores", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--rows", type=int, default=30, help="ops listed")
     parser.add_argument("--memory", action="store_true", help="the peak's allocations")
+    parser.add_argument("--syncs", action="store_true", help="host synchronisations and gaps")
     args = parser.parse_args()
     inputs = random_inputs(args.seq_len, torch.device("cuda"), "local")
     leaves = [inputs[name] for name in ("q_proxy", "k_proxy", "q", "k", "v")]
@@ -48,6 +54,9 @@ def main() -> None:
     print(f"===== S {args.seq_len:,}, {options}, local proxies")
     if args.memory:
         print_peak_allocations(step)
+        return
+    if args.syncs:
+        print_synchronisations(step)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(2):
@@ -74,6 +83,51 @@ def print_peak_allocations(step, smallest: int = 1 << 24) -> None:
     for site, (size, count) in sites.items():
         if size >= smallest:
             print(f"{size / 2**30:8.3f} GiB {count:5d} x  {site}")
+
+
+def print_synchronisations(step, shortest_gap_ms: float = 0.05) -> None:
+    """Each call of one step() that synchronises with the device, with its flash_msa frames;
+    the mean step over 5 by CUDA events; the gaps of at least shortest_gap_ms between the
+    kernels of one profiled step."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return  # the debug mode's own notice
+        print("synchronising call:")
+        for frame in traceback.extract_stack()[:-2]:
+            if "flash_msa/" in frame.filename:
+                print(f"    {frame.filename.split('flash_msa/')[-1]}:{frame.lineno} "
+                      f"{frame.name}: {frame.line}")  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("default")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"step {start.elapsed_time(end) / 5:.2f} ms (mean of 5, CUDA events)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted((event for event in profiler.events()
+                      if event.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda event: event.time_range.start)  # fmt: skip
+    busy = sum(event.time_range.elapsed_us() for event in kernels) / 1e3
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+    print(f"profiled step: kernels busy {busy:.2f} ms of a {span:.2f} ms span; gaps:")
+    last_end = kernels[0].time_range.end
+    for event in kernels[1:]:
+        gap_ms = (event.time_range.start - last_end) / 1e3
+        if gap_ms >= shortest_gap_ms:
+            print(f"{gap_ms:8.3f} ms before {event.name[:70]}")
+        last_end = max(last_end, event.time_range.end)
 
 
 def peak_sites(trace: list[dict]) -> tuple[int, dict[str, list[int]]]:
