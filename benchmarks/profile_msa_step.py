@@ -103,9 +103,11 @@ def print_synchronisations(step, shortest_gap_ms: float = 0.05) -> None:
         warnings.showwarning = show
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("default")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):

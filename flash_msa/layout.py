@@ -410,16 +410,17 @@ class BlockLayout:
         """Adopt an already computed CSC form (the tensors of a transpose() result) and,
         optionally, its transpose_entries(). Their shapes are checked (in eager calls), not
         their values."""
-        shape = (self.num_layouts, self.num_kv_blocks + 1)
-        given = {"row_offsets": (row_offsets, shape), "col_indices": (col_indices, (self.nnz,))}
-        if entries is not None:
-            given["entries"] = (entries, (self.nnz,))
-        for name, (tensor, need) in given.items():
-            if not torch.compiler.is_compiling() and tuple(tensor.shape) != need:
-                raise ValueError(
-                    f"the transpose's {name} must have shape {list(need)} (that of this "
-                    f"layout's transpose()), got {list(tensor.shape)}"
-                )
+        if not torch.compiler.is_compiling():
+            shape = (self.num_layouts, self.num_kv_blocks + 1)
+            given = {"row_offsets": (row_offsets, shape), "col_indices": (col_indices, (self.nnz,))}
+            if entries is not None:
+                given["entries"] = (entries, (self.nnz,))
+            for name, (tensor, need) in given.items():
+                if tuple(tensor.shape) != need:
+                    raise ValueError(
+                        f"the transpose's {name} must have shape {list(need)} (that of this "
+                        f"layout's transpose()), got {list(tensor.shape)}"
+                    )
         transposed = BlockLayout(
             row_offsets, col_indices, **self._transposed_meta(), validate=False
         )

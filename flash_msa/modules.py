@@ -122,9 +122,13 @@ class _ProjectedAttention(nn.Module):
 
         comm.check_on_every_rank(self.cp_group, check)
 
-    def project_qkv(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [B, S, embed_dim] -> q [B, S, num_heads, D], k and v [B, S, num_kv_heads, D]."""
-        self.check_input(x)
+    def project_qkv(self, x: torch.Tensor, cp_plan=None) -> list[torch.Tensor]:
+        """x [B, S, embed_dim] -> q [B, S, num_heads, D], k and v [B, S, num_kv_heads, D],
+        after checking x (with a cp_plan, every rank's shard and plan together: check_shard)."""
+        if cp_plan is None:
+            self.check_input(x)
+        else:
+            self.check_shard(x, cp_plan)
         kv_heads = (self.num_kv_heads, self.head_dim)
         return _split_heads(self.qkv_proj(x), [(self.num_heads, self.head_dim), kv_heads, kv_heads])
 
@@ -223,9 +227,7 @@ class FlashSparseAttention(_ProjectedAttention):
         self, x: torch.Tensor, *, cp_plan: distributed.CpPlan | None = None
     ) -> torch.Tensor:
         _check_cp_plan(self.cp_group, cp_plan)
-        if cp_plan is not None:
-            self.check_shard(x, cp_plan)
-        q, k, v = self.project_qkv(x)
+        q, k, v = self.project_qkv(x, cp_plan)
         batch, seq_len, _ = x.shape
         options = dict(causal=self.causal, window_size=self.window_size, backend=self.backend)
         if cp_plan is None:
@@ -344,9 +346,7 @@ class MSAAttention(_ProjectedAttention):
         self, x: torch.Tensor, *, warmup: bool = False, cp_plan: distributed.CpPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_cp_plan(self.cp_group, cp_plan)
-        if cp_plan is not None:
-            self.check_shard(x, cp_plan)
-        q, k, v = self.project_qkv(x)
+        q, k, v = self.project_qkv(x, cp_plan)
         batch, seq_len, _ = x.shape
         proxy_dim = self.proxy_head_dim
         q_proxy, k_proxy = _split_heads(

@@ -38,9 +38,9 @@ PROXY_DIMS = (64, 128)
 NUM_STAGES = 4  # key tiles in flight (deeper rings measured no faster: docs/performance.md)
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)  # one warpgroup per consumer
 PRODUCER_WARPS: gl.constexpr = gl.constexpr(1)
-# setmaxnreg budgets of block scores' three warpgroups (2 consumers and the producer's): 168
-# a thread on average (64K registers / 384 threads, rounded down to 8), most of it the
-# consumers'.
+# 64K registers over three warpgroups (384 threads), rounded down to 8: a thread's average in
+# block scores (two consumers and the producer's warpgroup, split by setmaxnreg as below) and
+# every thread's in per-token selection (three consumers).
 MAX_REGISTERS = 168
 CONSUMER_REGISTERS: gl.constexpr = gl.constexpr(240)
 PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
@@ -103,7 +103,7 @@ def load_key_tiles(k_desc, k_smem, k_ready, k_empty, key_row, key_column, blocks
 @gluon.jit
 def _refill(loads, k_smem, k_ready, k_empty, block):
     """A consumer that loads the ring itself (loads = (k_desc, key_row, key_column, blocks),
-    else None): key tile `block`, if the walk has it."""
+    else None): key tile `block`, if there is one."""
     if loads is not None:
         k_desc, key_row, key_column, blocks = loads
         if block < blocks:
@@ -134,13 +134,15 @@ def walk_blocks(q, k_smem, k_ready, k_empty, first, end, state, values, ENTER: g
     producer must then load fewer than NUM_STAGES more blocks (else the product could wait
     for that slot's next keys, which this consumer has yet to free): walks followed by
     NUM_STAGES or more blocks cover an even number. With loads (see _refill) this consumer
-    also fills the ring: having freed block b, it loads block b + NUM_STAGES - 1 into the
-    slot of block b - 1 (which every consumer has most likely freed by then); the caller
-    loads blocks first .. first + NUM_STAGES - 2 before the walk."""
+    also fills the ring: it loads blocks first .. first + NUM_STAGES - 2 before the walk,
+    and having freed block b, block b + NUM_STAGES - 1 into the slot of block b - 1 (which
+    every consumer has most likely freed by then)."""
     ROWS: gl.constexpr = q.type.shape[0]
     KEYS: gl.constexpr = k_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     s_layout: gl.constexpr = mma_layout(KEYS, k_smem.dtype)
+    for block in gl.static_range(NUM_STAGES - 1):
+        _refill(loads, k_smem, k_ready, k_empty, first + block)
     if end > first:
         last = end - 1
         even = _issue(q, k_smem, k_ready, first, gl.zeros([ROWS, KEYS], gl.float32, s_layout))

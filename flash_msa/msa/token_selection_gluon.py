@@ -37,7 +37,6 @@ from flash_msa.msa.proxy_walk_gluon import (
     PROXY_DIMS,
     key_descriptor,
     key_ring,
-    load_key_tile,
     walk_blocks,
 )
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
@@ -45,7 +44,7 @@ from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 CONSUMERS: gl.constexpr = gl.constexpr(3)  # consumer warpgroups a program
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
-BLOCK_M = 192  # rows of a program: CONSUMERS x HALF_M
+BLOCK_M = CONSUMERS.value * HALF_M.value  # rows of a program (192)
 REGISTERS: gl.constexpr = gl.constexpr(MAX_REGISTERS)  # a thread, in every partition
 # Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
 # spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
@@ -95,7 +94,8 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
               SCALED: gl.constexpr, loads=None):  # fmt: skip
     """One warpgroup's 64 rows: the walk (each block's product runs while the block before
     it enters the top-k), then its rows of the output (see ranked_blocks). With loads
-    (k_desc, key_row, key_column), this consumer also fills the ring (no producer warp)."""
+    (k_desc, key_row, key_column, blocks), this consumer also fills the ring (no producer
+    warp)."""
     first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s = tile_values
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -111,16 +111,7 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     slots = gl.arange(0, SLOTS, layout=gl.SliceLayout(0, slot_layout))  # [SLOTS]
     top_k = empty_slots(slots, gl.zeros([ROWS, SLOTS], gl.float32, slot_layout), TOP_K)
     values = (own_blocks, row_valid, slots, k_scales, TOP_K, SCALED)
-    walk_loads = None
-    if loads is not None:
-        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-        k_desc, key_row, key_column = loads
-        for block in gl.static_range(NUM_STAGES - 1):
-            if block < blocks:
-                load_key_tile(k_desc, k_smem, k_ready, k_empty, key_row, key_column, block)
-        walk_loads = (k_desc, key_row, key_column, blocks)
-    top_k = walk_blocks(q, k_smem, k_ready, k_empty, 0, blocks, top_k, values, _enter,
-                        walk_loads)  # fmt: skip
+    top_k = walk_blocks(q, k_smem, k_ready, k_empty, 0, blocks, top_k, values, _enter, loads)
     ranked, columns = ranked_blocks(top_k[1], own_blocks, slots, TOP_K)
     out_rows = out_base + heads.to(gl.int64) * stride_o_h + tokens.to(gl.int64) * stride_o_s
     gl.store(gl.expand_dims(out_rows, 1) + columns, gl.where(ranked < 0, -1, ranked),
@@ -166,7 +157,7 @@ def _selection_kernel(
     out_base = selected + batch * stride_o_b
     tile_values = (first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s)
     # The default partition (this kernel's 4 warps) is the first consumer, which fills the ring.
-    loads = (k_desc, gl.program_id(2) * seq_len, key_head * PROXY_DIM)
+    loads = (k_desc, gl.program_id(2) * seq_len, key_head * PROXY_DIM, blocks)
     gl.warp_specialize(
         [(_consumer, (q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, 0, TOP_K,
                       SLOTS, PACK, SCALED, loads)),
