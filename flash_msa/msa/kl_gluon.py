@@ -3,8 +3,9 @@ d kl_loss / d q_proxy and the tiles of d kl_loss / d z that kl.py's dk_proxy ker
 as kl.py's rows kernel, with the teacher's products on asynchronous warpgroup MMAs that run
 under the exponentials.
 
-A program owns one query block of TOKENS tokens and one proxy head, and walks the block's
-CSR row (the blocks any of its tokens selected). The teacher needs every query head of the
+A program owns TOKENS tokens of a query block (a block of 16, 32 or 64 tokens takes 1, 2 or
+4 programs, neighbours in the launch) and one proxy head, and walks the block's CSR row
+(the blocks any of its tokens selected). The teacher needs every query head of the
 proxy head's group: the program keeps them in shared memory as CHUNKS tiles [CHUNK_HEADS x
 TOKENS, D] of CHUNK_HEADS heads x TOKENS tokens (row = head * TOKENS + token), loaded once
 (chunk_heads: 4 heads, or 2 for a group of 4, so that the walk has an even number of
@@ -29,8 +30,8 @@ stores (s - t) / N [64 keys, TOKENS] in shared memory, adds its product with the
 transposed, into d q_proxy [D_p, TOKENS] and sends it by a TMA store to the entry's
 gradient tile.
 
-Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than TOKENS,
-kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
+Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than 16, 32 or
+64, kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
 than 4, 8 or 16 a proxy head take the Triton kernels (supports says which calls these
 take).
 """
@@ -54,6 +55,7 @@ from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 TOKENS = 16  # a program's query tokens: the KL layout's query block under granularity "token"
 TILE_TOKENS: gl.constexpr = gl.constexpr(TOKENS)  # the same, for the kernels
+QUERY_BLOCKS = (TOKENS, 2 * TOKENS, 4 * TOKENS)  # the layout's: TOKENS-token programs each
 HALF_N: gl.constexpr = gl.constexpr(64)  # keys of one consumer warpgroup
 KV_BLOCK = 128
 HEAD_DIMS = (64, 128)
@@ -70,15 +72,16 @@ PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 def supports(q: torch.Tensor, q_proxy: torch.Tensor, q_block: int, kv_block: int,
              documents: bool, q_blocks: bool) -> bool:  # fmt: skip
     """Whether these kernels take a proxy_kl_loss call: an sm_90 GPU, fp16 / bf16 inputs of
-    D and D_p 64 or 128, query blocks of TOKENS and kv blocks of 128, 4, 8 or 16 query heads
-    a proxy head, no documents and no q_blocks, B * S below 2^31 (TMA coordinates)."""
+    D and D_p 64 or 128, query blocks of 1, 2 or 4 x TOKENS tokens (QUERY_BLOCKS) and kv
+    blocks of 128, 4, 8 or 16 query heads a proxy head, no documents and no q_blocks, B * S
+    below 2^31 (TMA coordinates)."""
     batch, seq_len, heads_q, head_dim = q.shape
     heads_proxy = q_proxy.shape[2]
     return (
         q.device.type == "cuda" and not _env.interpreting()
         and _env.capability(q.device) == (9, 0) and q.dtype in DTYPES
         and q_proxy.dtype == q.dtype and head_dim in HEAD_DIMS
-        and q_proxy.shape[3] in HEAD_DIMS and q_block == TOKENS and kv_block == KV_BLOCK
+        and q_proxy.shape[3] in HEAD_DIMS and q_block in QUERY_BLOCKS and kv_block == KV_BLOCK
         and heads_q % heads_proxy == 0 and heads_q // heads_proxy in GROUPS
         and not documents and not q_blocks and batch * seq_len < 2**31
     )  # fmt: skip
@@ -132,12 +135,13 @@ def _producer(k_desc, kp_desc, k_smem, kp_smem, ready, empty, blocks, key_row, c
 
 
 @gluon.jit
-def _entry_words(entry, row_blocks, query_masks, HAS_QUERY_MASKS: gl.constexpr):
-    """The kv block of the row's entry `entry` and, with query masks, its word (else 0),
-    loaded well before _visible needs them."""
+def _entry_words(entry, row_blocks, query_masks, shift, HAS_QUERY_MASKS: gl.constexpr):
+    """The kv block of the row's entry `entry` and, with query masks, its word shifted right
+    by `shift` (the program's first token in the query block: bit t is then its token t),
+    else 0; loaded well before _visible needs them."""
     word = 0
     if HAS_QUERY_MASKS:
-        word = gl.load(query_masks + entry)
+        word = gl.load(query_masks + entry) >> shift.to(gl.int64)
     return gl.load(row_blocks + entry), word
 
 
@@ -266,12 +270,12 @@ def _teacher_pair(pair, steps, first_walk, tiles, products, qk_scale_log2, HALF:
 
 @gluon.jit
 def _add_gradient(logits, teacher, student_lse, coefficient, kp_keys, grad_mine, grad_q,
-                  grad_desc, tile_row):  # fmt: skip
+                  grad_desc, tile_row, tile_column):  # fmt: skip
     """grad_q [D_p, TOKENS] (transposed) plus k_proxy^T (s - t) coefficient over the entry's
     keys: (s - t) coefficient [64 keys, TOKENS] goes through shared memory (grad_mine) as the
-    product's B operand, and from there by a TMA store to row tile_row of grad_desc (the
-    dk_proxy kernel's tiles). student_lse is +inf where a token sees no key: its student is
-    0."""
+    product's B operand, and from there by a TMA store to (tile_row, tile_column) of
+    grad_desc (the dk_proxy kernel's tiles). student_lse is +inf where a token sees no key:
+    its student is 0."""
     student = gl.exp(logits - gl.expand_dims(student_lse, 0))  # 0 where not visible
     tma.store_wait(0)  # the entry before's tile has left grad_mine
     gl.thread_barrier()
@@ -279,7 +283,7 @@ def _add_gradient(logits, teacher, student_lse, coefficient, kp_keys, grad_mine,
     fence_async_shared()
     gl.thread_barrier()
     grad_q = warpgroup_mma(kp_keys.permute((1, 0)), grad_mine, grad_q, is_async=True)
-    tma.async_copy_shared_to_global(grad_desc, [tile_row, 0], grad_mine)
+    tma.async_copy_shared_to_global(grad_desc, [tile_row, tile_column], grad_mine)
     return warpgroup_mma_wait(0, deps=(grad_q,))
 
 
@@ -304,13 +308,16 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     """One warpgroup's 64 keys of every block of the row: the walk(s), then (the first
     consumer) the program's outputs. shared: the kernel's shared-memory tiles and barriers;
     row_values = (row_blocks, query_masks, count, first token, seq_len, grad_desc: the
-    gradient tiles' TMA view [tiles x 128 keys, TOKENS], its row of the row's first entry's
-    tile); outputs = (lse_proxy, kl_rows: the row's [TOKENS] of [B, H_p, S], grad_q_proxy:
+    gradient tiles' TMA view [tiles x 128 keys, query block], its row of the row's first
+    entry's tile, the program's first column there: its first token in the query block);
+    outputs = (lse_proxy, kl_rows: the row's [TOKENS] of [B, H_p, S], grad_q_proxy:
     its first token's row, its token stride); scales = (proxy_scale, qk_scale_log2, 1 / group,
     grad_scale)."""
     (q_smem, qp_smem, lse_smem, k_smem, kp_smem, ready, empty, grad_smem, grad_partial, exchange,
      exchanged, partial_smem, partial_ready) = shared  # fmt: skip
-    row_blocks, query_masks, count, first, seq_len, grad_desc, tile_first = row_values
+    row_blocks, query_masks, count, first, seq_len, grad_desc, tile_first, tile_column = (
+        row_values
+    )
     proxy_scale, qk_scale_log2, inverse_group, grad_scale = scales
     dtype: gl.constexpr = q_smem.dtype
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -329,7 +336,8 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
             stage = entry % NUM_STAGES
             mbarrier.wait(ready.index(stage), (entry // NUM_STAGES) & 1)
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
-            block, word = _entry_words(entry, row_blocks, query_masks, HAS_QUERY_MASKS)
+            block, word = _entry_words(entry, row_blocks, query_masks, tile_column,
+                                           HAS_QUERY_MASKS)  # fmt: skip
             logits = _student(kp_keys, qp_smem, gl.zeros_like(running_sum), False)
             mbarrier.arrive(empty.index(stage))
             visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
@@ -366,7 +374,8 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
         for pair in range(0, steps, 2):
             entry = pair // CHUNKS
             stage = (first_walk + entry) % NUM_STAGES
-            block, word = _entry_words(entry, row_blocks, query_masks, HAS_QUERY_MASKS)
+            block, word = _entry_words(entry, row_blocks, query_masks, tile_column,
+                                           HAS_QUERY_MASKS)  # fmt: skip
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
             tiles = (k_smem, q_smem, ready, kp_keys, qp_smem, lse_smem)
             products = _teacher_pair(pair, steps, first_walk, tiles, products, qk_scale_log2,
@@ -379,7 +388,7 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
                 if GRAD:
                     grad_q = _add_gradient(
                         logits, teacher, student_lse, coefficient, kp_keys, grad_mine, grad_q,
-                        grad_desc, tile_first + entry * 128 + HALF * HALF_N,
+                        grad_desc, tile_first + entry * 128 + HALF * HALF_N, tile_column,
                     )  # fmt: skip
                 sums = _add_sums(sums, logits, teacher, GRAD)
                 mbarrier.arrive(empty.index(stage))
@@ -440,23 +449,25 @@ def _kl_rows_kernel(
     chunk_entries, batch_base, head_base,
     HEAD_DIM: gl.constexpr, PROXY_DIM: gl.constexpr, CHUNKS: gl.constexpr,
     CHUNK_HEADS: gl.constexpr, HAS_QUERY_MASKS: gl.constexpr, GRAD: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, SUBTILES: gl.constexpr,
 ):  # fmt: skip
-    """One program per (query block of TOKENS tokens, copy) of a chunk, as kl._kl_rows_kernel's
-    (the same grid and chunk arguments), writing the same lse_proxy and kl_rows [B, H_p, S]
-    and, with GRAD, grad_q_proxy (times grad_scale, d kl_loss / d kl(i, p)) and the entries'
-    tiles of d kl_loss / d z through grad_desc (a TMA view [tiles x 128 keys, TOKENS] in
-    boxes of [64, TOKENS]). k_desc, kp_desc: TMA views [B * S, H_kv * D] and
-    [B * S, H_pk * D_p] in blocks of [128, D] and [128, D_p]; query_masks: int64 [nnz]
-    aligned with col_indices with HAS_QUERY_MASKS."""
+    """One program per (TOKENS tokens of a query block, copy) of a chunk: kl._kl_rows_kernel's
+    grid and chunk arguments with SUBTILES programs a query block (of SUBTILES x TOKENS
+    tokens), each walking the block's row for its tokens; writing the same lse_proxy and
+    kl_rows [B, H_p, S] and, with GRAD, grad_q_proxy (times grad_scale, d kl_loss / d
+    kl(i, p)) and the entries' tiles of d kl_loss / d z through grad_desc (a TMA view
+    [tiles x 128 keys, SUBTILES x TOKENS] in boxes of [64, TOKENS]). k_desc, kp_desc: TMA
+    views [B * S, H_kv * D] and [B * S, H_pk * D_p] in blocks of [128, D] and [128, D_p];
+    query_masks: int64 [nnz] aligned with col_indices with HAS_QUERY_MASKS."""
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = k_desc.dtype
     TOKENS: gl.constexpr = TILE_TOKENS
     CHUNK_ROWS: gl.constexpr = CHUNK_HEADS * TOKENS
-    block = block_start + gl.program_id(0)
+    block = block_start + gl.program_id(0) // SUBTILES
+    tile_column = (gl.program_id(0) % SUBTILES) * TOKENS  # its first token's, in the block
     batch = batch_base + gl.program_id(1) // heads_per_layout
     head = head_base + gl.program_id(1) % heads_per_layout
-    first = block * TOKENS
+    first = block * (SUBTILES * TOKENS) + tile_column
     row = row_offsets + layout_row * (num_q_blocks + 1) + block
     start = gl.load(row)
     count = gl.load(row + 1) - start
@@ -517,7 +528,8 @@ def _kl_rows_kernel(
 
     row_blocks = col_indices + start
     tile_first = (gl.program_id(1) * chunk_entries + start - entry_start) * KEYS
-    row_values = (row_blocks, query_masks + start, count, first, seq_len, grad_desc, tile_first)
+    row_values = (row_blocks, query_masks + start, count, first, seq_len, grad_desc, tile_first,
+                  tile_column)  # fmt: skip
     stats = batch * heads_proxy * seq_len + head * seq_len + first  # into [B, H_p, S]
     grad_row = (grad_q_proxy + batch.to(gl.int64) * stride_qp_b + head * stride_qp_h
                 + first.to(gl.int64) * stride_qp_s)  # fmt: skip
@@ -551,10 +563,10 @@ def _key_descriptor(tensor: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [KV_BLOCK, dim], layout)
 
 
-def _tile_descriptor(grad_tiles: torch.Tensor) -> TensorDescriptor:
-    """The TMA view [tiles x 128 keys, TOKENS] of the gradient tiles (flat, contiguous) in
+def _tile_descriptor(grad_tiles: torch.Tensor, q_block: int) -> TensorDescriptor:
+    """The TMA view [tiles x 128 keys, q_block] of the gradient tiles (flat, contiguous) in
     boxes of one consumer's [64 keys, TOKENS]."""
-    flat, block = grad_tiles.view(-1, TOKENS), [HALF_N.value, TOKENS]
+    flat, block = grad_tiles.view(-1, q_block), [HALF_N.value, TOKENS]
     layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[grad_tiles.dtype])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
@@ -564,8 +576,9 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
             chunk: dict) -> None:  # fmt: skip
     """Fill outputs = (lse_proxy, kl_rows, grad_q_proxy or None, grad_tiles) for one chunk of
     kl's rows kernel (its grid and chunk arguments), as that kernel does, over `layout` (a
-    BlockLayout of TOKENS x 128 blocks whose row_offsets / col_indices these are;
-    query_masks its int64 words or None); grad_tiles (flat, 16-byte aligned) is read with
+    BlockLayout of q_block x 128 blocks, q_block one of QUERY_BLOCKS, whose row_offsets /
+    col_indices these are, a program for each TOKENS tokens of a query block; query_masks
+    its int64 words or None); grad_tiles (flat, 16-byte aligned) is read with
     grad_q_proxy only. Contiguous inputs; the caller checked the call (supports)."""
     lse_proxy, kl_rows_out, grad_q_proxy, grad_tiles = outputs
     batch, seq_len, heads_proxy, proxy_dim = q_proxy.shape
@@ -573,13 +586,14 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
     with_grad = grad_q_proxy is not None
     has_masks = query_masks is not None
     group = heads_q // heads_proxy
-    _kl_rows_kernel[grid](
+    subtiles = layout.q_block // TOKENS
+    _kl_rows_kernel[(grid[0] * subtiles, *grid[1:])](
         q_proxy=q_proxy, q=q, lse=lse, k_desc=_key_descriptor(k),
         kp_desc=_key_descriptor(k_proxy), row_offsets=row_offsets,
         col_indices=col_indices, query_masks=query_masks if has_masks else col_indices,
         grad_scale=grad_scale, lse_proxy=lse_proxy, kl_rows=kl_rows_out,
         grad_q_proxy=grad_q_proxy if with_grad else q_proxy,
-        grad_desc=_tile_descriptor(grad_tiles),
+        grad_desc=_tile_descriptor(grad_tiles, layout.q_block),
         stride_qp_b=q_proxy.stride(0), stride_qp_s=q_proxy.stride(1),
         stride_qp_h=q_proxy.stride(2), stride_q_b=q.stride(0), stride_q_s=q.stride(1),
         stride_q_h=q.stride(2), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
@@ -589,7 +603,7 @@ def kl_rows(q_proxy, k_proxy, q, k, lse, row_offsets, col_indices, query_masks, 
         proxy_scale=proxy_scale, qk_scale_log2=softmax_scale * _env.LOG2_E, **chunk,
         HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunk_count(group),
         CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=has_masks, GRAD=with_grad,
-        NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
+        NUM_STAGES=NUM_STAGES, SUBTILES=subtiles, num_warps=4, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
@@ -608,9 +622,10 @@ def _compile(kernel, types: dict, constexprs: dict, workdir: str, name: str) -> 
 
 
 def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
-                     proxy_dim: int = 128, grad: bool = True, group: int = 16) -> dict:  # fmt: skip
+                     proxy_dim: int = 128, grad: bool = True, group: int = 16,
+                     q_block: int = TOKENS) -> dict:  # fmt: skip
     """Compile the kernel for sm_90a without a GPU (with query masks; `group` query heads a
-    proxy head) and report as _compile does."""
+    proxy head; query blocks of q_block) and report as _compile does."""
     from flash_msa.ops.gluon import codegen
 
     pointer = f"*{dtype}"
@@ -625,6 +640,7 @@ def compile_for_sm90(workdir: str, dtype: str = "bf16", head_dim: int = 128,
     )  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, PROXY_DIM=proxy_dim, CHUNKS=chunk_count(group),
                       CHUNK_HEADS=chunk_heads(group), HAS_QUERY_MASKS=True, GRAD=grad,
-                      NUM_STAGES=NUM_STAGES)  # fmt: skip
-    name = f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}{'_grad' if grad else ''}"
+                      NUM_STAGES=NUM_STAGES, SUBTILES=q_block // TOKENS)  # fmt: skip
+    name = (f"kl_rows_{dtype}_d{head_dim}_dp{proxy_dim}_g{group}_q{q_block}"
+            f"{'_grad' if grad else ''}")  # fmt: skip
     return _compile(_kl_rows_kernel, types, constexprs, workdir, name)

@@ -13,11 +13,11 @@ from flash_msa.reference import layout_mask
 from flash_msa.testing import relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-Q_BLOCK, KV_BLOCK = kl_gluon.TOKENS, kl_gluon.KV_BLOCK
+KV_BLOCK = kl_gluon.KV_BLOCK
 
 
-def kl_inputs(geometry, dtype, masks: bool, seed: int):
-    """Random q / k / proxies, a top-3 layout of 16 x 128 blocks, random query-mask words
+def kl_inputs(geometry, dtype, masks: bool, seed: int, q_block: int = kl_gluon.TOKENS):
+    """Random q / k / proxies, a top-3 layout of q_block x 128 blocks, random query-mask words
     (some entries reading no row, some every row) or None, and the main attention's lse."""
     batch, seq_len, heads_q, heads_kv, heads_proxy, heads_keys, dim, proxy_dim = geometry
     generator = torch.Generator().manual_seed(seed)
@@ -25,14 +25,14 @@ def kl_inputs(geometry, dtype, masks: bool, seed: int):
                   q=(heads_q, dim), k=(heads_kv, dim), v=(heads_kv, dim))  # fmt: skip
     tensors = {name: torch.randn(batch, seq_len, *shape, generator=generator).to(DEVICE, dtype)
                for name, shape in shapes.items()}  # fmt: skip
-    grid = (batch, heads_proxy, math.ceil(seq_len / Q_BLOCK), math.ceil(seq_len / KV_BLOCK))
+    grid = (batch, heads_proxy, math.ceil(seq_len / q_block), math.ceil(seq_len / KV_BLOCK))
     scores = torch.rand(grid, generator=generator).to(DEVICE)
-    layout = patterns.topk(scores, 3, seq_len_q=seq_len, q_block=Q_BLOCK, kv_block=KV_BLOCK,
+    layout = patterns.topk(scores, 3, seq_len_q=seq_len, q_block=q_block, kv_block=KV_BLOCK,
                            fixed_counts=True)  # fmt: skip
     words = None
     if masks:
-        bits = torch.rand(layout.nnz, Q_BLOCK, generator=generator) < 0.6
-        words = (bits.long() << torch.arange(Q_BLOCK)).sum(1)
+        bits = torch.rand(layout.nnz, q_block, generator=generator) < 0.6
+        words = (bits.long() << torch.arange(q_block)).sum(1)
         kind = torch.randint(0, 5, (layout.nnz,), generator=generator)
         words = torch.where(kind == 0, 0, torch.where(kind == 1, -1, words)).to(DEVICE)
     _, lse = block_sparse_attn_func(tensors["q"], tensors["k"], tensors["v"], layout,
@@ -63,7 +63,7 @@ def expected_kl(tensors, layout, words):
                             dtype=torch.int64, device=DEVICE)  # fmt: skip
         dense[layout.keys()] = words
         dense = dense.view(layout.num_layouts, layout.num_q_blocks, 1, layout.num_kv_blocks)
-        bits = (dense >> torch.arange(Q_BLOCK, device=DEVICE)[:, None]) & 1
+        bits = (dense >> torch.arange(layout.q_block, device=DEVICE)[:, None]) & 1
         selected = bits.flatten(1, 2).bool().repeat_interleave(KV_BLOCK, -1)
         mask = mask & selected[:, :seq_len, :seq_len].view(mask.shape)
     empty = ~mask.any(-1, keepdim=True)
@@ -82,6 +82,7 @@ def expected_kl(tensors, layout, words):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_block", [16, 64], ids=lambda q_block: f"q_block {q_block}")
 @pytest.mark.parametrize("chunked", [False, True], ids=["one chunk", "chunks of 64 KiB"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("masks", [True, False], ids=["query masks", "whole blocks"])
@@ -92,20 +93,24 @@ def expected_kl(tensors, layout, words):
      (1, 1500, 8, 2, 2, 1, 64, 64), (2, 600, 16, 4, 4, 2, 128, 128)],
     ids=str,
 )  # fmt: skip
-def test_gluon_kl_matches_float64(geometry, masks, dtype, chunked, monkeypatch):
+def test_gluon_kl_matches_float64(geometry, masks, dtype, chunked, q_block, monkeypatch):
     """On sm_90 the rows kernel is the Gluon one (it writes the gradient tiles dk_proxy
     reads by TMA stores): the loss and both gradients are within 2x the Triton kernels'
     error of the float64 KL on the same inputs, for 4, 8 and 16 query heads a proxy head, D
     and D_p 64 and 128, ragged lengths, a layout head per proxy head or one for all; chunked
-    (bf16): the tiles of 64 KiB of entries at a time (rows split across launches)."""
+    (bf16): the tiles of 64 KiB of entries at a time (rows split across launches); q_block
+    64 (bf16): four programs a query block, each writing its 16 columns of the tiles."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon KL runs on sm_90")
+    if q_block != kl_gluon.TOKENS and dtype != torch.bfloat16:
+        pytest.skip("query blocks of 64 are checked in bf16")
     if chunked:
         if dtype != torch.bfloat16:
             pytest.skip("chunks are checked in bf16")
         monkeypatch.setattr(kl, "GRAD_TILE_BYTES", 1 << 16)
-    tensors, layout, words, lse = kl_inputs(geometry, dtype, masks, seed=geometry[1])
-    assert kl_gluon.supports(tensors["q"], tensors["q_proxy"], Q_BLOCK, KV_BLOCK, False, False)
+    tensors, layout, words, lse = kl_inputs(geometry, dtype, masks, seed=geometry[1],
+                                            q_block=q_block)  # fmt: skip
+    assert kl_gluon.supports(tensors["q"], tensors["q_proxy"], q_block, KV_BLOCK, False, False)
     expected = expected_kl(tensors, layout, words)
     gluon = kl_and_grads(tensors, layout, words, lse)
     monkeypatch.setattr(kl_gluon, "supports", lambda *args: False)
@@ -119,18 +124,20 @@ def test_gluon_kl_matches_float64(geometry, masks, dtype, chunked, monkeypatch):
 def test_gluon_kl_is_refused_off_sm90():
     """Without an sm_90 GPU (here: the CPU) the KL takes the Triton kernel."""
     q, q_proxy = torch.zeros(1, 256, 64, 128), torch.zeros(1, 256, 4, 128)
-    assert not kl_gluon.supports(q.bfloat16(), q_proxy.bfloat16(), Q_BLOCK, KV_BLOCK, False,
-                                 False)  # fmt: skip
+    assert not kl_gluon.supports(q.bfloat16(), q_proxy.bfloat16(), kl_gluon.TOKENS, KV_BLOCK,
+                                 False, False)  # fmt: skip
 
 
 GLUON_SM90_COMPILE = """
 import json, sys
 from flash_msa.msa import kl_gluon
-CASES = (("bf16", 128, 128, True, 16), ("bf16", 128, 128, False, 16), ("fp16", 64, 64, True, 8),
-         ("bf16", 64, 64, True, 4))
-for dtype, dim, proxy_dim, grad, group in CASES:
-    report = kl_gluon.compile_for_sm90(sys.argv[1], dtype, dim, proxy_dim, grad, group)
-    print(json.dumps(dict(report, name=f"{dtype} D {dim} D_p {proxy_dim} grad {grad} G {group}")))
+CASES = (("bf16", 128, 128, True, 16, 16), ("bf16", 128, 128, False, 16, 16),
+         ("fp16", 64, 64, True, 8, 16), ("bf16", 64, 64, True, 4, 16),
+         ("bf16", 128, 128, True, 16, 64))
+for dtype, dim, proxy_dim, grad, group, q_block in CASES:
+    report = kl_gluon.compile_for_sm90(sys.argv[1], dtype, dim, proxy_dim, grad, group, q_block)
+    name = f"{dtype} D {dim} D_p {proxy_dim} grad {grad} G {group} q_block {q_block}"
+    print(json.dumps(dict(report, name=name)))
 """
 
 
@@ -138,7 +145,7 @@ def test_gluon_kl_compiles_for_hopper(sm90):
     """The Gluon rows kernel for sm_90 (no GPU needed): warp-specialised, on warpgroup MMAs,
     without spills, and exponentials between a teacher product's issue and its wait."""
     reports = sm90(GLUON_SM90_COMPILE)
-    assert len(reports) == 4
+    assert len(reports) == 5
     for report in reports:
         assert report["wgmma"] and report["spills"] == 0, report
         assert report["setmaxnreg"] and report["exponentials_under_products"] >= 32, report
