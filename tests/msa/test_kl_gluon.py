@@ -82,7 +82,7 @@ def expected_kl(tensors, layout, words):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_block", [16, 64], ids=lambda q_block: f"q_block {q_block}")
+@pytest.mark.parametrize("q_block", [16, 64], ids=lambda q_block: f"qblock{q_block}")
 @pytest.mark.parametrize("chunked", [False, True], ids=["one chunk", "chunks of 64 KiB"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("masks", [True, False], ids=["query masks", "whole blocks"])
