@@ -149,11 +149,10 @@ def run_msa(
         torch.autograd.backward([out, kl_loss], [dout, None])
 
     def selection():
-        chosen, build_kl = select(
+        return select(
             q_proxy, k_proxy, **options, proxy_softmax_scale=scale, warmup=False,
             document_ids=None, cu_seqlens=None,
         )  # fmt: skip
-        return chosen, build_kl()
 
     total = timed(step, leaves)
     with torch.no_grad():

@@ -232,7 +232,6 @@ class BlockLayout:
         self.layout_heads = layout_heads
         self._transposed: BlockLayout | None = None
         self._transpose_entries: torch.Tensor | None = None
-        self._host_row_offsets: torch.Tensor | None = None
         self._versions = self._tensor_versions()
         if validate:
             self._validate()
@@ -427,30 +426,6 @@ class BlockLayout:
         )
         self._transposed, transposed._transposed = transposed, self
         self._transpose_entries = entries
-        return self
-
-    @property
-    def host_row_offsets(self) -> torch.Tensor | None:
-        """row_offsets on the host (CPU int32 [L, num_q_blocks + 1]) where the layout's
-        builder read them from the device (attach_host_row_offsets), else None: code that
-        needs them on the host takes these instead of reading the device again."""
-        self.check_unchanged()
-        return self._host_row_offsets
-
-    def attach_host_row_offsets(self, host_row_offsets: torch.Tensor) -> BlockLayout:
-        """Keep a host copy of row_offsets (host_row_offsets); its shape, dtype and device
-        are checked, not its values."""
-        if not isinstance(host_row_offsets, torch.Tensor):
-            raise TypeError(
-                f"host_row_offsets must be a torch.Tensor, got {type(host_row_offsets).__name__}"
-            )
-        given = (tuple(host_row_offsets.shape), host_row_offsets.dtype, host_row_offsets.device)
-        if given != (tuple(self.row_offsets.shape), torch.int32, torch.device("cpu")):
-            raise ValueError(
-                f"host_row_offsets must be a CPU int32 tensor of row_offsets' shape "
-                f"{list(self.row_offsets.shape)}, got {given[1]} {list(given[0])} on {given[2]}"
-            )
-        self._host_row_offsets = host_row_offsets
         return self
 
     SIZES = ("seq_len_q", "seq_len_kv", "q_block", "kv_block", "layout_batch", "layout_heads")

@@ -18,7 +18,7 @@ import flash_msa.msa.interface  # noqa: F401  (registers the selection ops)
 
 SAVED_OPS = frozenset({
     torch.ops.flash_msa.block_selection.default, torch.ops.flash_msa.token_selection.default,
-    torch.ops.flash_msa.token_union_offsets.default, torch.ops.flash_msa.token_layout.default,
+    torch.ops.flash_msa.token_layout.default,
 })
 
 

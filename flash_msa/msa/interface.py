@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -15,13 +13,7 @@ from flash_msa.msa.block_scores import block_scores
 from flash_msa.msa.checks import check_tensors
 from flash_msa.msa.fp8 import FP8, check_score_dtype
 from flash_msa.msa.kl import checked_kl_loss
-from flash_msa.msa.token_selection import (
-    MAX_MASK_QUERIES,
-    count_tile_unions,
-    select_tokens,
-    token_selection_layout,
-    unions_in_kernel,
-)
+from flash_msa.msa.token_selection import MAX_MASK_QUERIES, select_tokens, token_selection_layout
 from flash_msa.ops.interface import block_sparse_attn_func, check_softmax_scale
 from flash_msa.ops.triton import MIN_TILE_ROWS
 from flash_msa.ops.triton.configs import largest_power_of_two_dividing
@@ -158,34 +150,16 @@ def _(q_proxy, k_proxy, document_ids, top_k, kv_block, fp8_scores):
     return q_proxy.new_empty(batch, heads, seq_len, top_k, dtype=torch.int32)
 
 
-@torch.library.custom_op("flash_msa::token_union_offsets", mutates_args=())
-def _token_union_offsets(selected: torch.Tensor, q_blocks: list[int]) -> list[torch.Tensor]:
-    """count_tile_unions' row offsets for each of q_blocks, device and host in turn: the
-    layouts' one read from the device."""
-    return [part for pair in count_tile_unions(selected, q_blocks) for part in pair]
-
-
-@_token_union_offsets.register_fake
-def _(selected, q_blocks):
-    batch, heads, seq_len = selected.shape[:3]
-    sizes = [batch * heads * math.ceil(seq_len / q_block) + 1 for q_block in q_blocks]
-    return [selected.new_empty(size, device=device) for size in sizes
-            for device in (selected.device, "cpu")]  # fmt: skip
-
-
 @torch.library.custom_op("flash_msa::token_layout", mutates_args=())
 def _token_layout(
-    selected: torch.Tensor, q_block: int, kv_block: int, offsets: torch.Tensor | None,
-    host_offsets: torch.Tensor | None,
+    selected: torch.Tensor, q_block: int, kv_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """select_tokens' choices as a layout: (row_offsets, col_indices, the transpose's
-    row_offsets and col_indices, query_masks, transpose_entries), over the row offsets
-    _token_union_offsets counted (device, host) where given. One op, so that torch.compile
-    sees the data-dependent size of the union (nnz) once, as one symbol."""
+    row_offsets and col_indices, query_masks, transpose_entries). One op, so that
+    torch.compile sees the data-dependent size of the union (nnz) once, as one symbol."""
     layout, query_masks = token_selection_layout(
-        selected, seq_len=selected.shape[2], q_block=q_block, kv_block=kv_block, check=False,
-        counted=None if offsets is None else (offsets, host_offsets),
-    )  # fmt: skip
+        selected, seq_len=selected.shape[2], q_block=q_block, kv_block=kv_block, check=False
+    )
     if query_masks is None:  # q_block 1: each row reads all of its blocks
         query_masks = selected.new_empty(0, dtype=torch.int64)
     transposed = layout.transpose()
@@ -196,7 +170,7 @@ def _token_layout(
 
 
 @_token_layout.register_fake
-def _(selected, q_block, kv_block, offsets, host_offsets):
+def _(selected, q_block, kv_block):
     batch, heads, seq_len = selected.shape[:3]
     nnz = torch.library.get_ctx().new_dynamic_size()
     rows = (math.ceil(seq_len / q_block), math.ceil(seq_len / kv_block))
@@ -209,36 +183,17 @@ def _(selected, q_block, kv_block, offsets, host_offsets):
     )  # fmt: skip
 
 
-def _token_selection_layouts(selected: torch.Tensor, *, q_blocks: list[int], kv_block: int
-                             ) -> list[Callable[[], MsaSelection]]:  # fmt: skip
-    """For each of q_blocks, the builder of the MsaSelection of select_tokens' [B, H_p, S,
-    top_k] choices over tiles of that many tokens. Where a kernel builds the tiles' unions,
-    their row offsets are counted now, with one read from the device for all of them, and a
-    builder's launches wait for nothing: built after the main attention's forward launches,
-    the KL's layout runs beside it."""
+def _token_selection_layout(selected: torch.Tensor, *, q_block: int, kv_block: int):
+    """MsaSelection of select_tokens' [B, H_p, S, top_k] choices over tiles of q_block tokens."""
+    row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, entries = _token_layout(
+        selected, q_block, kv_block
+    )
     batch, heads, seq_len = selected.shape[:3]
-    tiled = [q_block for q_block in q_blocks if q_block > 1]
-    counted = {}
-    if tiled and unions_in_kernel(selected, max(tiled)):
-        parts = _token_union_offsets(selected, tiled)
-        counted = dict(zip(tiled, zip(parts[::2], parts[1::2], strict=True), strict=True))
-
-    def build(q_block: int) -> MsaSelection:
-        offsets, host_offsets = counted.get(q_block, (None, None))
-        row_offsets, col_indices, t_row_offsets, t_col_indices, query_masks, entries = (
-            _token_layout(selected, q_block, kv_block, offsets, host_offsets)
-        )
-        layout = BlockLayout(
-            row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len, q_block=q_block,
-            kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
-        ).attach_transpose(t_row_offsets, t_col_indices, entries)  # fmt: skip
-        if host_offsets is not None:
-            layout.attach_host_row_offsets(
-                host_offsets.as_strided(row_offsets.shape, (row_offsets.shape[1] - 1, 1))
-            )
-        return MsaSelection(layout, None if q_block == 1 else query_masks)
-
-    return [functools.partial(build, q_block) for q_block in q_blocks]
+    layout = BlockLayout(
+        row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len, q_block=q_block,
+        kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
+    ).attach_transpose(t_row_offsets, t_col_indices, entries)  # fmt: skip
+    return MsaSelection(layout, None if q_block == 1 else query_masks)
 
 
 def kept_blocks(top_k: int, seq_len: int, kv_block: int) -> int:
@@ -311,10 +266,9 @@ def select(
     document_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     score_dtype: torch.dtype | None = None,
-) -> tuple[MsaSelection, Callable[[], MsaSelection]]:
+) -> tuple[MsaSelection, MsaSelection]:
     """msa_func's selection (no gradient) of [B, S, ...] proxy tensors, checked by the caller:
-    the main attention's, and the builder of the KL's (msa_func calls it once the main
-    attention's forward is launched). The two differ only under granularity "token" with
+    (the main attention's, the KL's). The two differ only under granularity "token" with
     q_block 2 to 8, where the KL walks tiles of kl_q_block tokens; both hold exactly each
     token's choices."""
     seq_len, device = q_proxy.shape[1], q_proxy.device
@@ -329,15 +283,11 @@ def select(
             selected = _token_selection(
                 q_proxy, k_proxy, document_ids, top_k, kv_block, score_dtype == FP8
             )
+            main = _token_selection_layout(selected, q_block=q_block, kv_block=kv_block)
             kl_tiles = kl_q_block(q_block)
-            if kl_tiles != q_block:
-                build, build_kl = _token_selection_layouts(
-                    selected, q_blocks=[q_block, kl_tiles], kv_block=kv_block
-                )
-                return build(), build_kl
-            (build,) = _token_selection_layouts(selected, q_blocks=[q_block], kv_block=kv_block)
-            selection = build()
-            return selection, lambda: selection
+            if kl_tiles == q_block:
+                return main, main
+            return main, _token_selection_layout(selected, q_block=kl_tiles, kv_block=kv_block)
         else:
             row_offsets, col_indices = _block_selection(
                 q_proxy, k_proxy, document_ids, top_k, q_block, kv_block, proxy_softmax_scale,
@@ -354,7 +304,7 @@ def select(
                 cu_seqlens=cu_seqlens,
             )  # fmt: skip
     selection = MsaSelection(layout, None)
-    return selection, lambda: selection
+    return selection, selection
 
 
 def msa_func(
@@ -443,7 +393,7 @@ def msa_func(
     proxy_scale = (
         1.0 / math.sqrt(q_proxy.shape[-1]) if proxy_softmax_scale is None else proxy_softmax_scale
     )
-    selection, build_kl_selection = select(
+    selection, kl_selection = select(
         q_proxy, k_proxy, top_k=top_k, q_block=q_block, kv_block=kv_block,
         proxy_softmax_scale=proxy_scale, granularity=granularity, warmup=warmup,
         document_ids=document_ids, cu_seqlens=cu_seqlens, score_dtype=score_dtype,
@@ -453,7 +403,6 @@ def msa_func(
         document_ids=document_ids, query_masks=selection.query_masks,
         deterministic=deterministic,
     )  # fmt: skip
-    kl_selection = build_kl_selection()
     kl_loss = checked_kl_loss(
         q_proxy, k_proxy, q, k, lse, kl_selection.layout, softmax_scale=scale,
         proxy_softmax_scale=proxy_scale, document_ids=document_ids,

@@ -409,16 +409,14 @@ class _Chunk(NamedTuple):
                     batch_base=self.batch_base, head_base=self.head_base)  # fmt: skip
 
 
-def _chunks(layout: BlockLayout, row_offsets: torch.Tensor,
-            host_row_offsets: torch.Tensor | None, batch: int, heads_proxy: int,
+def _chunks(layout: BlockLayout, row_offsets: torch.Tensor, batch: int, heads_proxy: int,
             tile_bytes: int | None):  # fmt: skip
     """The KL's launches (_Chunk), chunks of a layout row's query blocks read by
     batches x H_p / layout_heads copies (the (batch, proxy head) pairs sharing the row);
     none for a batch of 0. A chunk is a whole row, its tiles indexed by the layout's entries,
     without tile_bytes (no gradient) or where the whole layout's tiles (tile_bytes each, for
     every copy) take at most GRAD_TILE_BYTES; else its tiles take at most GRAD_TILE_BYTES,
-    or one query block's where one takes more (host_row_offsets, or row_offsets read once
-    from the device where they are None)."""
+    or one query block's where one takes more (row_offsets read once on the host)."""
     if batch == 0:
         return
     num_q_blocks, per_layout = layout.num_q_blocks, heads_proxy // layout.layout_heads
@@ -426,9 +424,7 @@ def _chunks(layout: BlockLayout, row_offsets: torch.Tensor,
     most = None if tile_bytes is None else GRAD_TILE_BYTES // (batches * per_layout * tile_bytes)
     offsets = None
     if most is not None and layout.nnz > most:
-        offsets = (row_offsets if host_row_offsets is None else host_row_offsets).view(
-            -1, num_q_blocks + 1
-        ).cpu().numpy()  # fmt: skip
+        offsets = row_offsets.view(-1, num_q_blocks + 1).cpu().numpy()
     for row in range(layout.num_layouts):
         first_batch = 0 if layout.layout_batch == 1 else row // layout.layout_heads
         rows = (first_batch, batches, (row % layout.layout_heads) * per_layout)
@@ -458,7 +454,6 @@ def _kl_forward(
     q_blocks: torch.Tensor | None,
     query_masks: torch.Tensor | None,
     t_entries: torch.Tensor,
-    host_row_offsets: torch.Tensor | None,
     row_offsets: torch.Tensor,
     col_indices: torch.Tensor,
     t_row_offsets: torch.Tensor,
@@ -486,7 +481,7 @@ def _kl_forward(
     divisor = _divisor(reduction, kl_rows.numel())
     grad_scale = lse.new_full((1,), 1 / divisor)  # d kl_loss / d kl(i, p)
     tile_size = layout.q_block * layout.kv_block
-    chunks = list(_chunks(layout, row_offsets, host_row_offsets, batch, heads_proxy,
+    chunks = list(_chunks(layout, row_offsets, batch, heads_proxy,
                           tile_size * q_proxy.element_size() if with_grad else None))
     per_layout = heads_proxy // layout.layout_heads
     # The largest chunk's tiles (one unread tile without the gradient: TMA needs a view).
@@ -570,7 +565,7 @@ def _autograd_backward(ctx, grad_loss, _grad_lse_proxy, _grad_grad_q_proxy, _gra
     needs_q, needs_k = ctx.needs_input_grad[:2]
     grad_q_unit, grad_k_unit = ctx.saved_tensors
     return (grad_q_unit * grad_loss if needs_q else None,
-            grad_k_unit * grad_loss if needs_k else None) + (None,) * 17  # fmt: skip
+            grad_k_unit * grad_loss if needs_k else None) + (None,) * 16  # fmt: skip
 
 
 _kl_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -694,12 +689,9 @@ def checked_kl_loss(
     q, k, lse = (tensor.detach().contiguous() for tensor in (q, k, lse))
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32).contiguous()
-    host_row_offsets = layout.host_row_offsets
-    if host_row_offsets is not None:
-        host_row_offsets = host_row_offsets.contiguous()
     loss, _, _, _ = _kl_forward(
         q_proxy, k_proxy, q, k, lse, document_ids, q_blocks, query_masks,
-        layout.transpose_entries(), host_row_offsets, **layout.op_arguments(),
+        layout.transpose_entries(), **layout.op_arguments(),
         proxy_softmax_scale=proxy_softmax_scale, softmax_scale=softmax_scale,
         reduction=reduction,
         with_grad=torch.is_grad_enabled() and (q_proxy.requires_grad or k_proxy.requires_grad),

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -433,7 +432,7 @@ MAX_UNION_CANDIDATES = 1024  # q_block x top_k a program of _tile_union_kernel s
 _NO_BLOCK: tl.constexpr = tl.constexpr(1 << 62)  # a padding candidate's key: after every real one
 
 
-def unions_in_kernel(selected: torch.Tensor, q_block: int) -> bool:
+def _unions_in_kernel(selected: torch.Tensor, q_block: int) -> bool:
     """Whether _tile_union_kernel builds token_selection_layout's unions: on CUDA tensors,
     for tiles of at most MAX_UNION_CANDIDATES choices. The CPU interpreter takes seconds over
     a kernel whose unions one sort gives in milliseconds there, so CPU tensors take the
@@ -483,63 +482,34 @@ def _tile_union_kernel(selected, counts, row_offsets, col_indices, query_masks, 
         tl.store(counts + layout * num_q_blocks + tile, tl.sum(starts.to(tl.int32), 0))
 
 
-def _tile_union_arguments(selected: torch.Tensor, seq_len: int, q_block: int) -> dict:
-    """_tile_union_kernel's arguments and grid (under "grid") for tiles of q_block tokens."""
-    batch, heads, _, top_k = selected.shape
-    num_q_blocks = math.ceil(seq_len / q_block)
-    rows = selected.reshape(batch * heads, -1, top_k).contiguous()
-    return dict(selected=rows, seq_len=seq_len, num_q_blocks=num_q_blocks,
-                stride_l=rows.stride(0), stride_s=rows.stride(1), Q_BLOCK=q_block, TOP_K=top_k,
-                CANDIDATES=triton.next_power_of_2(q_block * top_k),
-                grid=(num_q_blocks, batch * heads))  # fmt: skip
-
-
-def count_tile_unions(selected: torch.Tensor, q_blocks: Sequence[int]
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:  # fmt: skip
-    """The row offsets of token_selection_layout's layouts of `selected` over tiles of each
-    of q_blocks (2 to 64 tokens), as (int32 [L * nq + 1] on the device, the same on the host):
-    a launch of _tile_union_kernel each, then one read from the device for all of them, so
-    that several layouts of one selection wait for the device once. None where the kernel
-    does not build the unions (unions_in_kernel)."""
-    if not all(unions_in_kernel(selected, q_block) for q_block in q_blocks):
-        return None
-    offsets = []
-    for q_block in q_blocks:
-        options = _tile_union_arguments(selected, selected.shape[2], q_block)
-        grid = options.pop("grid")
-        counts = torch.empty(grid[::-1], dtype=torch.int32, device=selected.device)
-        if counts.numel():
-            _tile_union_kernel[grid](counts=counts, row_offsets=counts, col_indices=counts,
-                                     query_masks=counts, WRITE=False, **options)  # fmt: skip
-        ends = counts.flatten().cumsum(0, dtype=torch.int32)
-        offsets.append(torch.cat([ends.new_zeros(1), ends]))
-    host = torch.cat(offsets).cpu().split([part.numel() for part in offsets])
-    return [(part, host_part.clone()) for part, host_part in zip(offsets, host, strict=True)]
-
-
 def _tile_union_layout(selected: torch.Tensor, seq_len: int, seq_len_kv: int, q_block: int,
-                       kv_block: int, counted: tuple[torch.Tensor, torch.Tensor]
-                       ) -> tuple[BlockLayout, torch.Tensor]:  # fmt: skip
-    """token_selection_layout's result from the row offsets count_tile_unions gave (device,
-    host) and a launch of _tile_union_kernel that writes the entries at their offsets. The
-    layout keeps the host offsets (host_row_offsets)."""
-    batch, heads = selected.shape[:2]
-    offsets, host = counted
-    options = _tile_union_arguments(selected, seq_len, q_block)
-    grid, num_q_blocks = options.pop("grid"), options["num_q_blocks"]
-    nnz = int(host[-1])
+                       kv_block: int) -> tuple[BlockLayout, torch.Tensor]:  # fmt: skip
+    """token_selection_layout's result from two launches of _tile_union_kernel (the entry
+    counts, then the entries at their row offsets) and one read of the total from the device."""
+    batch, heads, _, top_k = selected.shape
+    layouts, num_q_blocks = batch * heads, math.ceil(seq_len / q_block)
+    rows = selected.reshape(layouts, -1, top_k).contiguous()
+    options = dict(selected=rows, seq_len=seq_len, num_q_blocks=num_q_blocks,
+                   stride_l=rows.stride(0), stride_s=rows.stride(1), Q_BLOCK=q_block,
+                   TOP_K=top_k, CANDIDATES=triton.next_power_of_2(q_block * top_k))  # fmt: skip
+    counts = torch.empty(layouts, num_q_blocks, dtype=torch.int32, device=selected.device)
+    grid = (num_q_blocks, layouts)
+    if counts.numel():
+        _tile_union_kernel[grid](counts=counts, row_offsets=counts, col_indices=counts,
+                                 query_masks=counts, WRITE=False, **options)  # fmt: skip
+    offsets = torch.cat([counts.new_zeros(1), counts.flatten().cumsum(0, dtype=torch.int32)])
+    nnz = int(offsets[-1])
     # Row l is offsets[l * nq : (l + 1) * nq + 1]: consecutive rows share their boundary.
-    row_offsets = offsets.as_strided((batch * heads, num_q_blocks + 1), (num_q_blocks, 1))
+    row_offsets = offsets.as_strided((layouts, num_q_blocks + 1), (num_q_blocks, 1))
     col_indices = torch.empty(nnz, dtype=torch.int32, device=selected.device)
     query_masks = torch.empty(nnz, dtype=torch.int64, device=selected.device)
     if nnz:
-        _tile_union_kernel[grid](counts=offsets, row_offsets=offsets, col_indices=col_indices,
+        _tile_union_kernel[grid](counts=counts, row_offsets=offsets, col_indices=col_indices,
                                  query_masks=query_masks, WRITE=True, **options)  # fmt: skip
     layout = BlockLayout(
         row_offsets, col_indices, seq_len_q=seq_len, seq_len_kv=seq_len_kv, q_block=q_block,
         kv_block=kv_block, layout_batch=batch, layout_heads=heads, validate=False,
     )  # fmt: skip
-    layout.attach_host_row_offsets(host.as_strided(row_offsets.shape, row_offsets.stride()))
     return layout, query_masks
 
 
@@ -551,7 +521,6 @@ def token_selection_layout(
     kv_block: int,
     seq_len_kv: int | None = None,
     check: bool = True,
-    counted: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[BlockLayout, torch.Tensor | None]:
     """The blocks a query tile's tokens selected, as the main attention's layout.
 
@@ -564,9 +533,6 @@ def token_selection_layout(
             blocks of the sequence (select_tokens' q_blocks): the rows are then those blocks.
         check: validate selected (one pass and one read from the device); False for
             select_tokens' own output, which has the format by construction.
-        counted: this q_block's item of count_tile_unions(selected, ...), where several
-            layouts of one selection share that function's one read from the device; None:
-            the call counts the unions itself.
 
     Returns:
         layout: row r of layout (b, p) (layout_batch B, layout_heads H_p) holds the union of
@@ -577,9 +543,8 @@ def token_selection_layout(
 
     Memory is O(B * H_p * S * top_k). On CUDA tensors, where a tile holds at most
     MAX_UNION_CANDIDATES choices, _tile_union_kernel sorts each tile's choices in registers
-    (two launches, and the row offsets read once from the device, which the layout keeps as
-    its host_row_offsets); elsewhere one sort of every choice ranks them (for q_block 1 they
-    are the layout as they are).
+    (two launches, and the entry count read once from the device); elsewhere one sort of
+    every choice ranks them (for q_block 1 they are the layout as they are).
     """
     seq_len_kv = seq_len if seq_len_kv is None else seq_len_kv
     if not isinstance(check, bool):
@@ -590,10 +555,8 @@ def token_selection_layout(
     batch, heads, _, top_k = selected.shape
     if q_block == 1:
         return _token_rows_layout(selected, seq_len_kv, kv_block), None
-    if counted is None and unions_in_kernel(selected, q_block):
-        (counted,) = count_tile_unions(selected, [q_block])
-    if counted is not None:
-        return _tile_union_layout(selected, seq_len, seq_len_kv, q_block, kv_block, counted)
+    if _unions_in_kernel(selected, q_block):
+        return _tile_union_layout(selected, seq_len, seq_len_kv, q_block, kv_block)
     num_q_blocks = math.ceil(seq_len / q_block)
     device = selected.device
     layouts = torch.arange(batch * heads, device=device)[:, None]  # [L, 1]

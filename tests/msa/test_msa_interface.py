@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_msa import MSAAttention
-from flash_msa.msa import interface, kl, msa_func, msa_reference, token_selection
+from flash_msa.msa import msa_func, msa_reference
 from flash_msa.msa.fp8 import FP8
 from flash_msa.msa.interface import GRANULARITIES, select
 from flash_msa.testing import fp8_exact_proxies, relative_error
@@ -111,37 +111,6 @@ def test_msa_func_matches_reference(name, poisoned_allocations):
     _check_against_reference(tensors, grad_out, top_k, q_block, kv_block, warmup=False)
 
 
-@pytest.mark.parametrize("name", ["eight-token-rows", "gqa-ragged"])
-def test_tile_unions_are_counted_once_for_both_layouts(name, monkeypatch):
-    """Where _tile_union_kernel builds the unions (CUDA tensors; here on any device), msa_func
-    counts the main attention's and the KL's tile unions (8 and 16 tokens, or one layout of
-    16) in one call, whose one read from the device the KL's chunks take too (their host
-    offsets); outputs, KL and gradients those of the reference."""
-    for module in (token_selection, interface):
-        monkeypatch.setattr(module, "unions_in_kernel", lambda selected, q_block: True)
-    monkeypatch.setattr(kl, "GRAD_TILE_BYTES", 1)  # chunks of one query block: offsets needed
-    counted, chunked = [], []
-
-    def count_tile_unions(selected, q_blocks):
-        counted.append(list(q_blocks))
-        return token_selection.count_tile_unions(selected, q_blocks)
-
-    def chunks(layout, row_offsets, host_row_offsets, *rest):
-        chunked.append(host_row_offsets)
-        assert torch.equal(host_row_offsets, row_offsets.cpu())
-        return original_chunks(layout, row_offsets, host_row_offsets, *rest)
-
-    original_chunks = kl._chunks
-    monkeypatch.setattr(interface, "count_tile_unions", count_tile_unions)
-    monkeypatch.setattr(kl, "_chunks", chunks)
-    batch, seq_len, heads, dim, proxy_dim, q_block, kv_block, top_k = CASES[name]
-    tensors = _inputs(batch, seq_len, heads, dim, proxy_dim, seed=5)
-    grad_out = torch.randn(batch, seq_len, heads[0], dim, generator=torch.Generator())
-    _check_against_reference(tensors, grad_out, top_k, q_block, kv_block, warmup=False)
-    assert counted == [[q_block, 16] if q_block < 16 else [q_block]]
-    assert len(chunked) == 1 and chunked[0].device.type == "cpu"
-
-
 @pytest.mark.parametrize(
     "q_block, kv_block, kl_q_block", [(2, 32, 16), (8, 16, 16), (16, 32, 16), (1, 32, 1)]
 )
@@ -149,11 +118,10 @@ def test_kl_tiles_hold_each_tokens_choices(q_block, kv_block, kl_q_block):
     """Tiles of 2 to 8 tokens leave the KL walking tiles of 16 over the
     same per-token choices; other tiles are the main attention's own."""
     q_proxy, k_proxy = _inputs(1, 150, (4, 2, 2, 1), 16, 16, seed=q_block)[:2]
-    main, build_kl = select(
+    main, kl = select(
         q_proxy, k_proxy, top_k=3, q_block=q_block, kv_block=kv_block, proxy_softmax_scale=0.25,
         granularity="token", warmup=False, document_ids=None, cu_seqlens=None,
     )  # fmt: skip
-    kl = build_kl()
     assert (main.layout.q_block, kl.layout.q_block) == (q_block, kl_q_block)
     assert (kl is main) == (kl_q_block == q_block)
     assert torch.equal(_element_mask(kl, 150), _element_mask(main, 150))

@@ -378,7 +378,7 @@ def test_token_selection_layout_matches_loops(seq_len, q_block, kv_block, top_k,
     tiles' unions from _tile_union_kernel (on the CPU too, interpreted); "sort": from one
     sort of every choice."""
     kernel = union == "kernel"
-    monkeypatch.setattr(token_selection, "unions_in_kernel", lambda selected, q_block: kernel)
+    monkeypatch.setattr(token_selection, "_unions_in_kernel", lambda selected, q_block: kernel)
     q_proxy, k_proxy = _inputs(2, seq_len, 2, 1, 8, seed=seq_len, dtype=torch.float64,
                                device="cpu")  # fmt: skip
     document_ids = None if bounds is None else _documents(2, seq_len, bounds).cpu()
