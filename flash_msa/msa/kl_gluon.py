@@ -337,7 +337,7 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
             mbarrier.wait(ready.index(stage), (entry // NUM_STAGES) & 1)
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
             block, word = _entry_words(entry, row_blocks, query_masks, tile_column,
-                                           HAS_QUERY_MASKS)  # fmt: skip
+                                       HAS_QUERY_MASKS)  # fmt: skip
             logits = _student(kp_keys, qp_smem, gl.zeros_like(running_sum), False)
             mbarrier.arrive(empty.index(stage))
             visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
@@ -375,7 +375,7 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
             entry = pair // CHUNKS
             stage = (first_walk + entry) % NUM_STAGES
             block, word = _entry_words(entry, row_blocks, query_masks, tile_column,
-                                           HAS_QUERY_MASKS)  # fmt: skip
+                                       HAS_QUERY_MASKS)  # fmt: skip
             kp_keys = kp_smem.index(stage).slice(HALF * HALF_N, HALF_N)  # [64, D_p]
             tiles = (k_smem, q_smem, ready, kp_keys, qp_smem, lse_smem)
             products = _teacher_pair(pair, steps, first_walk, tiles, products, qk_scale_log2,
