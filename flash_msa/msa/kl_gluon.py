@@ -3,8 +3,8 @@ d kl_loss / d q_proxy and the tiles of d kl_loss / d z that kl.py's dk_proxy ker
 as kl.py's rows kernel, with the teacher's products on asynchronous warpgroup MMAs that run
 under the exponentials.
 
-A program owns TOKENS tokens of a query block (a block of 16, 32 or 64 tokens takes 1, 2 or
-4 programs, neighbours in the launch) and one proxy head, and walks the block's CSR row
+A program owns TOKENS tokens of a query block (a block of 16 or 64 tokens takes 1 or 4
+programs, neighbours in the launch) and one proxy head, and walks the block's CSR row
 (the blocks any of its tokens selected). The teacher needs every query head of the
 proxy head's group: the program keeps them in shared memory as CHUNKS tiles [CHUNK_HEADS x
 TOKENS, D] of CHUNK_HEADS heads x TOKENS tokens (row = head * TOKENS + token), loaded once
@@ -30,8 +30,8 @@ stores (s - t) / N [64 keys, TOKENS] in shared memory, adds its product with the
 transposed, into d q_proxy [D_p, TOKENS] and sends it by a TMA store to the entry's
 gradient tile.
 
-Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than 16, 32 or
-64, kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
+Documents, q_blocks (context parallelism), fp32 inputs, query blocks other than 16 or 64,
+kv blocks other than 128, D or D_p other than 64 or 128 and groups of query heads other
 than 4, 8 or 16 a proxy head take the Triton kernels (supports says which calls these
 take).
 """
@@ -55,7 +55,7 @@ from flash_msa.ops.gluon.forward import mma_layout, row_layout
 
 TOKENS = 16  # a program's query tokens: the KL layout's query block under granularity "token"
 TILE_TOKENS: gl.constexpr = gl.constexpr(TOKENS)  # the same, for the kernels
-QUERY_BLOCKS = (TOKENS, 2 * TOKENS, 4 * TOKENS)  # the layout's: TOKENS-token programs each
+QUERY_BLOCKS = (TOKENS, 4 * TOKENS)  # the layout's (per token, block-shared): TOKENS a program
 HALF_N: gl.constexpr = gl.constexpr(64)  # keys of one consumer warpgroup
 KV_BLOCK = 128
 HEAD_DIMS = (64, 128)
@@ -72,7 +72,7 @@ PRODUCER_REGISTERS: gl.constexpr = gl.constexpr(24)
 def supports(q: torch.Tensor, q_proxy: torch.Tensor, q_block: int, kv_block: int,
              documents: bool, q_blocks: bool) -> bool:  # fmt: skip
     """Whether these kernels take a proxy_kl_loss call: an sm_90 GPU, fp16 / bf16 inputs of
-    D and D_p 64 or 128, query blocks of 1, 2 or 4 x TOKENS tokens (QUERY_BLOCKS) and kv
+    D and D_p 64 or 128, query blocks of TOKENS or 4 x TOKENS tokens (QUERY_BLOCKS) and kv
     blocks of 128, 4, 8 or 16 query heads a proxy head, no documents and no q_blocks, B * S
     below 2^31 (TMA coordinates)."""
     batch, seq_len, heads_q, head_dim = q.shape
