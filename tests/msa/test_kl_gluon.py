@@ -84,10 +84,11 @@ def expected_kl(tensors, layout, words):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "dtype, chunked, q_block",
-    [(torch.bfloat16, False, 16), (torch.float16, False, 16), (torch.bfloat16, True, 16),
-     (torch.bfloat16, False, 64), (torch.bfloat16, True, 64)],
-    ids=lambda value: (["one chunk", "chunks of 64 KiB"][value] if isinstance(value, bool)
-                       else f"qblock{value}" if isinstance(value, int) else str(value)),
+    [pytest.param(dtype, chunked, q_block,
+                  id=f"{dtype}-{'chunks of 64 KiB' if chunked else 'one chunk'}-qblock{q_block}")
+     for dtype, chunked, q_block in [(torch.bfloat16, False, 16), (torch.float16, False, 16),
+                                     (torch.bfloat16, True, 16), (torch.bfloat16, False, 64),
+                                     (torch.bfloat16, True, 64)]],
 )  # fmt: skip
 @pytest.mark.parametrize("masks", [True, False], ids=["query masks", "whole blocks"])
 @pytest.mark.parametrize(
