@@ -146,11 +146,12 @@ def _entry_words(entry, row_blocks, query_masks, shift, HAS_QUERY_MASKS: gl.cons
 
 
 @gluon.jit
-def _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS: gl.constexpr):
-    """bool [64 keys, TOKENS]: the consumer's keys (offsets `keys` in the block) of kv block
-    `block` that each token sees: causal, inside the sequence and, with query masks (the
-    entry's word), a block the token selected."""
-    block_keys = block * 128 + keys  # [64]
+def _visible(block, word, keys, positions, seq_len, KEYS: gl.constexpr,
+             HAS_QUERY_MASKS: gl.constexpr):  # fmt: skip
+    """bool [64 keys, TOKENS]: the consumer's keys (offsets `keys` in the block of KEYS) of
+    kv block `block` that each token sees: causal, inside the sequence and, with query masks
+    (the entry's word), a block the token selected."""
+    block_keys = block * KEYS + keys  # [64]
     visible = (gl.expand_dims(block_keys, 1) <= gl.expand_dims(positions, 0)) & gl.expand_dims(
         positions < seq_len, 0
     )
@@ -321,6 +322,7 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
     proxy_scale, qk_scale_log2, inverse_group, grad_scale = scales
     dtype: gl.constexpr = q_smem.dtype
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    KEYS: gl.constexpr = k_smem.type.shape[1]  # a block's
     TOKENS: gl.constexpr = qp_smem.type.shape[0]
     PROXY_DIM: gl.constexpr = qp_smem.type.shape[1]
     t_layout: gl.constexpr = mma_layout(TOKENS, dtype)  # [64 keys, TOKENS]
@@ -340,7 +342,7 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
                                        HAS_QUERY_MASKS)  # fmt: skip
             logits = _student(kp_keys, qp_smem, gl.zeros_like(running_sum), False)
             mbarrier.arrive(empty.index(stage))
-            visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
+            visible = _visible(block, word, keys, positions, seq_len, KEYS, HAS_QUERY_MASKS)
             logits = gl.where(visible, logits * proxy_scale, float("-inf"))
             running_max, running_sum = _online_lse(running_max, running_sum, logits)
         token_max, token_sum = _merge_lse(running_max, running_sum)
@@ -382,13 +384,13 @@ def _consumer(shared, row_values, outputs, scales, HALF: gl.constexpr, GRAD: gl.
                                      HALF)  # fmt: skip
             even, odd, logits, teacher = products
             if (pair + 1) % CHUNKS == CHUNKS - 1:
-                visible = _visible(block, word, keys, positions, seq_len, HAS_QUERY_MASKS)
+                visible = _visible(block, word, keys, positions, seq_len, KEYS, HAS_QUERY_MASKS)
                 logits = gl.where(visible, logits * proxy_scale, float("-inf"))
                 teacher = gl.where(visible, teacher * inverse_group, 0.0)
                 if GRAD:
                     grad_q = _add_gradient(
                         logits, teacher, student_lse, coefficient, kp_keys, grad_mine, grad_q,
-                        grad_desc, tile_first + entry * 128 + HALF * HALF_N, tile_column,
+                        grad_desc, tile_first + entry * KEYS + HALF * HALF_N, tile_column,
                     )  # fmt: skip
                 sums = _add_sums(sums, logits, teacher, GRAD)
                 mbarrier.arrive(empty.index(stage))
