@@ -31,11 +31,6 @@ from flash_msa.ops.gluon.forward import (
 )
 from flash_msa.ops.registry import AttentionCall, Backend, Refusal
 
-# deterministic=False adds dQ in the dK / dV kernel over query blocks of at least this many
-# positions: over 8-position blocks of 16 heads (MSA per token) its adds measured slower than
-# the dQ kernel (docs/performance.md, "Tiles of packed query heads").
-ATOMIC_MIN_Q_BLOCK = 64
-
 
 def _forward(
     q, k, v, layout, *, causal, window_size, softmax_scale, document_ids, query_masks,
@@ -56,13 +51,12 @@ def _backward(
     query_masks, deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
-    faster reproducible mode, measured) or, deterministic=False, "atomic" where q_block is
-    at least ATOMIC_MIN_Q_BLOCK; as _forward."""
-    fused = not deterministic and layout.q_block >= ATOMIC_MIN_Q_BLOCK
+    faster reproducible mode, measured) or, deterministic=False, "atomic" (dQ added in the
+    dK / dV kernel, in an fp32 buffer of twice q's bytes); as _forward."""
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
-        grad_q="atomic" if fused else "triton",
+        grad_q="triton" if deterministic else "atomic",
     )  # fmt: skip
 
 
