@@ -12,8 +12,8 @@ refuses (dropout, and what _check names) to the next backend.
 Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
 into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
 selection, 8 x 16 per token), with or without per-token query masks, forward and backward
-(with deterministic=False, q_block 64 adds dQ tiles of packed heads in the dK / dV kernel as
-boxes of positions x heads; smaller blocks keep the dQ kernel, measured faster there).
+(with deterministic=False, dQ tiles of packed heads are added in the dK / dV kernel as boxes
+of positions x heads).
 """
 
 import functools
