@@ -357,8 +357,8 @@ def msa_func(
             selection's scores (select_tokens' or block_scores'; sm_89 and up).
         deterministic: the main attention's, as in block_sparse_attn_func (False: a faster
             backward where the backend has one, gluon's with dQ summed in an fp32 buffer
-            twice q's size, 32 GiB at 1M tokens and H_q 64; the KL's gradients stay
-            reproducible).
+            twice q's size, 32 GiB at 1M tokens and H_q 64, where that fits the free memory;
+            the KL's gradients stay reproducible).
         return_selection: also return the MsaSelection the main attention ran over.
 
     Returns:

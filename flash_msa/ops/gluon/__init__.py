@@ -4,8 +4,9 @@ The forward is warp-specialised over 128 x 128 blocks (forward.py), its tiles la
 heaviest first: full blocks take no mask work, blocks cut by the causal diagonal, a window
 edge, a document boundary or a ragged end are masked in registers. The backward
 (backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
-dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode:
-dQ beside dK and dV in the one kernel, added with TMA reduce-adds in a varying order. It
+dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode
+where its fp32 dQ buffer fits the free memory: dQ beside dK and dV in the one kernel, added
+with TMA reduce-adds in a varying order. It
 takes causal, window_size, documents and any sequence lengths; the registry passes what it
 refuses (dropout, and what _check names) to the next backend.
 
@@ -46,17 +47,25 @@ def _forward(
     )  # fmt: skip
 
 
+def _available_bytes(device: torch.device) -> int:
+    """The device's free memory, the caching allocator's unused blocks included."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _backward(
     grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
     query_masks, deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
     faster reproducible mode, measured) or, deterministic=False, "atomic" (dQ added in the
-    dK / dV kernel, in an fp32 buffer of twice q's bytes); as _forward."""
+    dK / dV kernel into an fp32 buffer of twice q's bytes, where that buffer fits in the
+    device's free memory; else "triton", which needs none); as _forward."""
+    atomic = not deterministic and 4 * q.numel() <= _available_bytes(q.device)
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
-        grad_q="triton" if deterministic else "atomic",
+        grad_q="atomic" if atomic else "triton",
     )  # fmt: skip
 
 

@@ -260,20 +260,26 @@ def test_backward_of_packed_tiles_refuses_the_ordered_mode():
                                     grad_q="ordered")  # fmt: skip
 
 
-@pytest.mark.parametrize("q_block, deterministic, grad_q", [
-    (128, True, "triton"), (128, False, "atomic"), (64, False, "atomic"), (64, True, "triton"),
-    (8, False, "atomic"), (8, True, "triton"),
+@pytest.mark.parametrize("q_block, deterministic, available, grad_q", [
+    (128, True, None, "triton"), (128, False, None, "atomic"), (64, False, None, "atomic"),
+    (64, True, None, "triton"), (8, False, None, "atomic"), (8, True, None, "triton"),
+    # the atomic mode's fp32 dQ buffer (4 bytes an element of q) must fit the free memory
+    (8, False, 4 * 256 * 16 * 64, "atomic"), (8, False, 4 * 256 * 16 * 64 - 1, "triton"),
+    (128, False, 0, "triton"),
 ])  # fmt: skip
 def test_registry_backward_takes_the_measured_dq_mode(monkeypatch, q_block, deterministic,
-                                                      grad_q):  # fmt: skip
+                                                      available, grad_q):  # fmt: skip
     """The gluon backend's backward takes the Triton dQ kernel when deterministic, and with
     deterministic=False dQ added in the dK / dV kernel, over tiles of one head and of packed
-    heads alike (both measured faster: docs/performance.md)."""
+    heads alike (both measured faster: docs/performance.md), where its fp32 buffer fits the
+    device's free memory (available: bytes; None: plenty)."""
     from flash_msa.ops import gluon
 
     taken = []
     monkeypatch.setattr(gluon.backward, "attention_backward",
                         lambda *args, grad_q, **kwargs: taken.append(grad_q))  # fmt: skip
+    monkeypatch.setattr(gluon, "_available_bytes",
+                        lambda device: 1 << 40 if available is None else available)  # fmt: skip
     layout = patterns.causal(256, q_block=q_block, kv_block=128)
     q = torch.zeros(1, 256, 16, 64)
     gluon._backward(q, q, q, q, q, None, layout, causal=True, window_size=(-1, -1),
