@@ -6,9 +6,9 @@ edge, a document boundary or a ragged end are masked in registers. The backward
 (backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
 dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode
 where its fp32 dQ buffer fits the free memory: dQ beside dK and dV in the one kernel, added
-with TMA reduce-adds in a varying order. It
-takes causal, window_size, documents and any sequence lengths; the registry passes what it
-refuses (dropout, and what _check names) to the next backend.
+with TMA reduce-adds in a varying order. It takes causal, window_size, documents and any
+sequence lengths; the registry passes what it refuses (dropout, and what _check names) to
+the next backend.
 
 Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
 into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
