@@ -70,6 +70,15 @@ def on_tensor_device(function):
     return on_device
 
 
+def available_bytes(device: torch.device) -> int:
+    """Free memory of the device: the GPU's, the caching allocator's unused blocks included,
+    or the machine's for the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 HOPPER_SHARED_MEMORY = 232_448  # bytes a block may opt into on sm_90 (H100, H200)
 
 

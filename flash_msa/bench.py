@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 import triton
 
-from flash_msa import patterns
+from flash_msa import _env, patterns
 from flash_msa.layout import BlockLayout
 from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
 from flash_msa.reference import layout_mask
@@ -266,13 +266,6 @@ def dense_mask_bytes(seq_len: int, dtype: torch.dtype) -> int:
     return seq_len * seq_len * (4 + torch.finfo(dtype).bits // 8)
 
 
-def available_bytes(device: torch.device) -> int:
-    """Free memory of the device: the GPU's, or the machine's for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def failure(error: BaseException) -> str:
     """A peer's error as one line for the records: its type and first line."""
     lines = str(error).strip().splitlines() or [""]
@@ -345,7 +338,7 @@ def _sdpa(case: Case, q_t, k_t, v_t, group: int) -> Callable[[], torch.Tensor] |
             return out.transpose(1, 2)
 
         return causal
-    needed, free = dense_mask_bytes(seq_len, q_t.dtype), available_bytes(device)
+    needed, free = dense_mask_bytes(seq_len, q_t.dtype), _env.available_bytes(device)
     if needed > free / 2:
         return (
             f"a dense {seq_len} x {seq_len} mask needs {needed / 2**30:.1f} GiB, more than "

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from flash_msa import _env
 from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
@@ -47,12 +48,6 @@ def _forward(
     )  # fmt: skip
 
 
-def _available_bytes(device: torch.device) -> int:
-    """The device's free memory, the caching allocator's unused blocks included."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 def _backward(
     grad_out, q, k, v, out, lse, layout, *, causal, window_size, softmax_scale, document_ids,
     query_masks, deterministic=True, **without_dropout,
@@ -61,7 +56,7 @@ def _backward(
     faster reproducible mode, measured) or, deterministic=False, "atomic" (dQ added in the
     dK / dV kernel into an fp32 buffer of twice q's bytes, where that buffer fits in the
     device's free memory; else "triton", which needs none); as _forward."""
-    atomic = not deterministic and 4 * q.numel() <= _available_bytes(q.device)
+    atomic = not deterministic and 4 * q.numel() <= _env.available_bytes(q.device)
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
