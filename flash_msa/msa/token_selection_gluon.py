@@ -73,6 +73,17 @@ def slot_count(kept: int) -> int:
     return max(8, triton.next_power_of_2(kept))
 
 
+@gluon.constexpr_function
+def slot_tile_layout(slots):
+    """The running top-k's [HALF_M, slots] tiles: a row in one pair of lanes, slots / 2 slots
+    a thread, so a row's reductions take one shuffle. The pair is the one holding the row's
+    maximum in the products' accumulator layout (rows g and g + 8 of a warp's 16 in lanes
+    4 g .. 4 g + 3): the maxima reach the slots without crossing lanes."""
+    registers = [[0, 1 << bit] for bit in range((slots // 2).bit_length() - 1)]
+    lanes = [[0, slots // 2], [8, 0], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(registers, lanes, [[16, 0], [32, 0]], [], [64, slots])
+
+
 @gluon.jit
 def _enter(s, block, top_k, values):
     """The running top-k after block `block`'s product s [HALF_M, KV_BLOCK] (done): its row
@@ -80,10 +91,9 @@ def _enter(s, block, top_k, values):
     values = (own_blocks, row_valid, slots, k_scales, TOP_K, SCALED)."""
     slot_scores, slot_blocks, worst = top_k
     own_blocks, row_valid, slots, k_scales, TOP_K, SCALED = values
-    block_max = gl.max(s, axis=1)  # [HALF_M]
+    block_max = gl.convert_layout(gl.max(s, axis=1), own_blocks.type.layout)  # [HALF_M]
     if SCALED:  # a positive factor: the max of the scaled logits is the scaled max
         block_max = block_max * gl.load(k_scales + block)
-    block_max = gl.convert_layout(block_max, own_blocks.type.layout)
     score = gl.where((block < own_blocks) & row_valid, block_max, float("-inf"))
     return enter_block(slot_scores, slot_blocks, worst, score, block, slots, TOP_K)
 
@@ -100,7 +110,7 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = q_smem.type.shape[1]
     KEYS: gl.constexpr = k_smem.type.shape[1]
-    slot_layout: gl.constexpr = mma_layout(SLOTS, dtype)
+    slot_layout: gl.constexpr = slot_tile_layout(SLOTS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
     q = q_smem.index(HALF)  # [HALF_M, D_p]
     rows = HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)  # [HALF_M] of the tile's 192
