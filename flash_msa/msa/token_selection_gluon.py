@@ -40,14 +40,14 @@ from flash_msa.msa.proxy_walk_gluon import (
     walk_blocks,
 )
 from flash_msa.msa.running_top_k import empty_slots, enter_block, ranked_blocks
-from flash_msa.ops.gluon.forward import mma_layout, row_layout
+from flash_msa.ops.gluon.forward import row_layout
 
 CONSUMERS: gl.constexpr = gl.constexpr(3)  # consumer warpgroups a program
 HALF_M: gl.constexpr = gl.constexpr(64)  # rows of one consumer warpgroup
 BLOCK_M = CONSUMERS.value * HALF_M.value  # rows of a program (192)
 REGISTERS: gl.constexpr = gl.constexpr(MAX_REGISTERS)  # a thread, in every partition
-# Slots of the running top-k a consumer thread holds: compiled for sm_90, 64 slots need no
-# spills, 128 spill 2,180 bytes (the Triton kernel takes such calls).
+# Slots of the running top-k a row holds at most (compiled for sm_90 at 168 registers: 16
+# slots without spills, 32 spill 96 bytes, 64 2,628); calls keeping more take the Triton kernel.
 MAX_KEPT = 64
 
 
@@ -68,8 +68,7 @@ def supports(q_proxy: torch.Tensor, kv_block: int, kept: int, documents: bool,
 
 def slot_count(kept: int) -> int:
     """Columns of the running top-k's tiles: a power of two holding the kept blocks, at least
-    8 (the narrowest warpgroup MMA tile, whose layout the slot tiles take); the slots past
-    top_k - 1 stay empty."""
+    8; the slots past top_k - 1 stay empty."""
     return max(8, triton.next_power_of_2(kept))
 
 
@@ -80,8 +79,11 @@ def slot_tile_layout(slots):
     maximum in the products' accumulator layout (rows g and g + 8 of a warp's 16 in lanes
     4 g .. 4 g + 3): the maxima reach the slots without crossing lanes."""
     registers = [[0, 1 << bit] for bit in range((slots // 2).bit_length() - 1)]
-    lanes = [[0, slots // 2], [8, 0], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(registers, lanes, [[16, 0], [32, 0]], [], [64, slots])
+    lanes = [[0, slots // 2], [8, 0], [1, 0], [2, 0], [4, 0]]  # lane bits, lowest first
+    return gl.DistributedLinearLayout(
+        reg_bases=registers, lane_bases=lanes, warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[HALF_M.value, slots],
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -107,7 +109,6 @@ def _consumer(q_smem, k_smem, k_ready, k_empty, k_scales, tile_values, HALF: gl.
     (k_desc, key_row, key_column, blocks), this consumer also fills the ring (no producer
     warp)."""
     first, first_head, seq_len, blocks, out_base, stride_o_h, stride_o_s = tile_values
-    dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = q_smem.type.shape[1]
     KEYS: gl.constexpr = k_smem.type.shape[1]
     slot_layout: gl.constexpr = slot_tile_layout(SLOTS)
