@@ -75,9 +75,9 @@ def slot_count(kept: int) -> int:
 @gluon.constexpr_function
 def slot_tile_layout(slots):
     """The running top-k's [HALF_M, slots] tiles: a row in one pair of lanes, slots / 2 slots
-    a thread, so a row's reductions take one shuffle. The pair is the one holding the row's
-    maximum in the products' accumulator layout (rows g and g + 8 of a warp's 16 in lanes
-    4 g .. 4 g + 3): the maxima reach the slots without crossing lanes."""
+    a thread, so a row's reductions take one shuffle. The pair is among the lanes holding the
+    row's maximum in the products' accumulator layout (rows g and g + 8 of a warp's 16 in
+    lanes 4 g .. 4 g + 3); the conversion still compiles to one shuffle and two selects."""
     registers = [[0, 1 << bit] for bit in range((slots // 2).bit_length() - 1)]
     lanes = [[0, slots // 2], [8, 0], [1, 0], [2, 0], [4, 0]]  # lane bits, lowest first
     return gl.DistributedLinearLayout(
