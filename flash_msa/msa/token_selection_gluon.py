@@ -68,7 +68,7 @@ def supports(q_proxy: torch.Tensor, kv_block: int, kept: int, documents: bool,
 
 def slot_count(kept: int) -> int:
     """Columns of the running top-k's tiles: a power of two holding the kept blocks, at least
-    8; the slots past top_k - 1 stay empty."""
+    8 (the narrowest the GPU tests run: top_k 4); the slots past top_k - 1 stay empty."""
     return max(8, triton.next_power_of_2(kept))
 
 

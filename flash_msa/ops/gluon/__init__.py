@@ -21,7 +21,6 @@ import functools
 
 import torch
 
-from flash_msa import _env
 from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
@@ -56,7 +55,7 @@ def _backward(
     faster reproducible mode, measured) or, deterministic=False, "atomic" (dQ added in the
     dK / dV kernel into an fp32 buffer of twice q's bytes, where that buffer fits in the
     device's free memory; else "triton", which needs none); as _forward."""
-    atomic = not deterministic and 4 * q.numel() <= _env.available_bytes(q.device)
+    atomic = not deterministic and backward.dq_buffer_fits(q)
     return backward.attention_backward(
         grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,

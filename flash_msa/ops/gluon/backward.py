@@ -553,6 +553,13 @@ def row_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 
 GRAD_Q_MODES = ("triton", "gluon", "ordered", "atomic")
+DQ_ACCUMULATOR = torch.float32  # the "ordered" and "atomic" modes' dQ buffer, q's shape
+
+
+def dq_buffer_fits(q: torch.Tensor) -> bool:
+    """Whether the "ordered" and "atomic" modes' dQ buffer for q fits the device's free
+    memory."""
+    return q.numel() * DQ_ACCUMULATOR.itemsize <= _env.available_bytes(q.device)
 
 
 def entry_turns(layout: BlockLayout) -> torch.Tensor:
@@ -627,7 +634,7 @@ def attention_backward(
     halves = 2 * triton.cdiv(seq_len_q, 2 * QUERY_ROWS)  # query halves of a head
     if fused:
         delta = row_delta(out, grad_out)
-        accumulated = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        accumulated = torch.zeros(q.shape, dtype=DQ_ACCUMULATOR, device=q.device)
         if grad_q == "ordered":
             counters = torch.zeros(batch, heads_q, halves, dtype=torch.int32, device=q.device)
             turns = entry_turns(layout)

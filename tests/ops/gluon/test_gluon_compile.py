@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from flash_msa import patterns
+from flash_msa import _env, patterns
 from flash_msa.layout import BlockLayout
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
@@ -278,7 +278,7 @@ def test_registry_backward_takes_the_measured_dq_mode(monkeypatch, q_block, dete
     taken = []
     monkeypatch.setattr(gluon.backward, "attention_backward",
                         lambda *args, grad_q, **kwargs: taken.append(grad_q))  # fmt: skip
-    monkeypatch.setattr(gluon._env, "available_bytes",
+    monkeypatch.setattr(_env, "available_bytes",
                         lambda device: 1 << 40 if available is None else available)  # fmt: skip
     layout = patterns.causal(256, q_block=q_block, kv_block=128)
     q = torch.zeros(1, 256, 16, 64)
