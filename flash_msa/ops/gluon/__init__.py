@@ -4,11 +4,13 @@ The forward is warp-specialised over 128 x 128 blocks (forward.py), its tiles la
 heaviest first: full blocks take no mask work, blocks cut by the causal diagonal, a window
 edge, a document boundary or a ragged end are masked in registers. The backward
 (backward.py) computes dK and dV over the transposed layout in Gluon and dQ with the Triton
-dQ kernel: deterministic. With deterministic=False the call takes the faster "atomic" mode
-where its fp32 dQ buffer fits the free memory: dQ beside dK and dV in the one kernel, added
-with TMA reduce-adds in a varying order. It takes causal, window_size, documents and any
-sequence lengths; the registry passes what it refuses (dropout, and what _check names) to
-the next backend.
+dQ kernel: deterministic. With deterministic=False the call may instead take the "atomic"
+mode where its fp32 dQ buffer fits the free memory: dQ beside dK and dV in the one kernel,
+added with TMA reduce-adds in a varying order. That mode runs fewer matmuls but is slower
+where a layout's blocks are scattered (its adds then miss the L2), so the first such call
+of each shape times both modes and later ones take the faster (fastest.FastestPath). It
+takes causal, window_size, documents and any sequence lengths; the registry passes what it
+refuses (dropout, and what _check names) to the next backend.
 
 Query blocks below 128 (q_block 64 ... 2) pack 128 / q_block query heads of a GQA group
 into a tile's 128 rows, as MSA's main attention is laid out (64 x 2 per block-shared
@@ -21,6 +23,7 @@ import functools
 
 import torch
 
+from flash_msa.ops.fastest import FastestPath
 from flash_msa.ops.gluon import backward
 from flash_msa.ops.gluon.forward import (
     BLOCK_M,
@@ -52,15 +55,34 @@ def _backward(
     query_masks, deterministic=True, **without_dropout,
 ):  # fmt: skip
     """The registry's backward: backward.attention_backward with grad_q "triton" (the
-    faster reproducible mode, measured) or, deterministic=False, "atomic" (dQ added in the
-    dK / dV kernel into an fp32 buffer of twice q's bytes, where that buffer fits in the
-    device's free memory; else "triton", which needs none); as _forward."""
-    atomic = not deterministic and backward.dq_buffer_fits(q)
-    return backward.attention_backward(
-        grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
-        softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
-        grad_q="atomic" if atomic else "triton",
-    )  # fmt: skip
+    faster reproducible mode, measured) or, deterministic=False, the faster of "triton" and
+    "atomic" (dQ added in the dK / dV kernel into an fp32 buffer of twice q's bytes) as
+    timed on the first call of its key, where that buffer fits in the device's free memory;
+    as _forward."""
+
+    def run(grad_q: str):
+        return backward.attention_backward(
+            grad_out, q, k, v, out, lse, layout, causal=causal, window_size=window_size,
+            softmax_scale=softmax_scale, document_ids=document_ids, query_masks=query_masks,
+            grad_q=grad_q,
+        )  # fmt: skip
+
+    if deterministic or not backward.dq_buffer_fits(q):
+        return run("triton")
+    return _NONDETERMINISTIC_DQ(_mode_key(q, k, layout, causal, window_size, document_ids,
+                                          query_masks), run, q.device)  # fmt: skip
+
+
+_NONDETERMINISTIC_DQ = FastestPath(("atomic", "triton"))
+
+
+def _mode_key(q, k, layout, causal, window_size, document_ids, query_masks) -> tuple:
+    """What the dQ modes' relative speed is keyed on: the device, shapes, masks, the
+    layout's heads and tiles and its entry count to a power of two (a layout of another
+    density, such as a longer window, is timed anew)."""
+    return (q.device, q.dtype, tuple(q.shape), tuple(k.shape), layout.q_block, layout.kv_block,
+            tuple(layout.row_offsets.shape), layout.col_indices.numel().bit_length(), causal,
+            tuple(window_size), document_ids is not None, query_masks is not None)  # fmt: skip
 
 
 def _check(call: AttentionCall) -> Refusal | None:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -261,31 +262,40 @@ def test_backward_of_packed_tiles_refuses_the_ordered_mode():
 
 
 @pytest.mark.parametrize("q_block, deterministic, available, grad_q", [
-    (128, True, None, "triton"), (128, False, None, "atomic"), (64, False, None, "atomic"),
-    (64, True, None, "triton"), (8, False, None, "atomic"), (8, True, None, "triton"),
+    (128, True, None, ["triton"]), (64, True, None, ["triton"]), (8, True, None, ["triton"]),
+    # deterministic=False: both modes, each run twice (compiled, then timed) on a new key
+    (128, False, None, ["atomic", "atomic", "triton", "triton"]),
+    (8, False, None, ["atomic", "atomic", "triton", "triton"]),
     # the atomic mode's fp32 dQ buffer (4 bytes an element of q) must fit the free memory
-    (8, False, 4 * 256 * 16 * 64, "atomic"), (8, False, 4 * 256 * 16 * 64 - 1, "triton"),
-    (128, False, 0, "triton"),
+    (8, False, 4 * 256 * 16 * 64, ["atomic", "atomic", "triton", "triton"]),
+    (8, False, 4 * 256 * 16 * 64 - 1, ["triton"]), (128, False, 0, ["triton"]),
 ])  # fmt: skip
-def test_registry_backward_takes_the_measured_dq_mode(monkeypatch, q_block, deterministic,
-                                                      available, grad_q):  # fmt: skip
-    """The gluon backend's backward takes the Triton dQ kernel when deterministic, and with
-    deterministic=False dQ added in the dK / dV kernel, over tiles of one head and of packed
-    heads alike (both measured faster: docs/performance.md), where its fp32 buffer fits the
-    device's free memory (available: bytes; None: plenty)."""
+def test_registry_backward_takes_the_dq_mode(monkeypatch, q_block, deterministic, available,
+                                             grad_q):  # fmt: skip
+    """The gluon backend's backward takes the Triton dQ kernel when deterministic; with
+    deterministic=False, where the atomic mode's fp32 buffer fits the device's free memory
+    (available: bytes; None: plenty), the first call of a key times both modes and the
+    next call takes the faster (here the Triton dQ: the atomic mode is made slower)."""
     from flash_msa.ops import gluon
+    from flash_msa.ops.fastest import FastestPath
 
     taken = []
-    monkeypatch.setattr(gluon.backward, "attention_backward",
-                        lambda *args, grad_q, **kwargs: taken.append(grad_q))  # fmt: skip
+
+    def attention_backward(*args, grad_q, **kwargs):
+        taken.append(grad_q)
+        time.sleep(0.02 if grad_q == "atomic" else 0.0)
+
+    monkeypatch.setattr(gluon.backward, "attention_backward", attention_backward)
+    monkeypatch.setattr(gluon, "_NONDETERMINISTIC_DQ", FastestPath(("atomic", "triton")))
     monkeypatch.setattr(_env, "available_bytes",
                         lambda device: 1 << 40 if available is None else available)  # fmt: skip
     layout = patterns.causal(256, q_block=q_block, kv_block=128)
     q = torch.zeros(1, 256, 16, 64)
-    gluon._backward(q, q, q, q, q, None, layout, causal=True, window_size=(-1, -1),
-                    softmax_scale=0.125, document_ids=None, query_masks=None,
-                    deterministic=deterministic)  # fmt: skip
-    assert taken == [grad_q]
+    for _ in range(2):
+        gluon._backward(q, q, q, q, q, None, layout, causal=True, window_size=(-1, -1),
+                        softmax_scale=0.125, document_ids=None, query_masks=None,
+                        deterministic=deterministic)  # fmt: skip
+    assert taken == grad_q + [grad_q[-1]]
 
 
 def test_refuses_cpu_tensors_and_bad_mask_options():
