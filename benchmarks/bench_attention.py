@@ -55,7 +55,8 @@ IMPLS = {
     "flash_msa:gluon": "flash-msa, gluon backend (sm_90): Gluon forward, Gluon dK/dV and Triton "
     "dQ backward (deterministic)",
     "flash_msa:gluon:nondeterministic": "flash-msa, gluon backend with deterministic=False: "
-    "one Gluon backward kernel, dQ added by TMA reduce-adds in any order",
+    "the faster, timed on the first call, of one Gluon backward kernel with dQ added by TMA "
+    "reduce-adds in any order and the deterministic backward",
     "flash_msa:triton": "flash-msa, triton backend (deterministic backward)",
     "flex": "FlexAttention (Triton), same blocks",
     "fa4_block_sparse": "FlashAttention-4 (FlexAttention FLASH backend), same blocks",
