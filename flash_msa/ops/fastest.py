@@ -54,10 +54,10 @@ class FastestPath:
             return run(path or self.paths[0])
         times = {}
         result = None
-        for path in self.paths:
+        for candidate in self.paths:
             result = None
-            run(path)
-            times[path], result = elapsed_ms(lambda path=path: run(path), device)
+            run(candidate)
+            times[candidate], result = elapsed_ms(lambda name=candidate: run(name), device)
         self.timings[key] = times
         self.chosen[key] = min(times, key=times.get)
         return result
