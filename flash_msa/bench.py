@@ -13,7 +13,6 @@ import pathlib
 import platform
 import statistics
 import subprocess
-import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,6 +20,7 @@ import triton
 
 from flash_msa import _env, patterns
 from flash_msa.layout import BlockLayout
+from flash_msa.ops.fastest import elapsed_ms
 from flash_msa.ops.interface import block_sparse_attn_func, block_sparse_attn_varlen_func
 from flash_msa.reference import layout_mask
 from flash_msa.sequences import document_ids_of
@@ -376,13 +376,8 @@ def wall_ms(build: Callable[[], object], device: torch.device, repeats: int):
     last result: for work with host steps, such as building a layout."""
     result, samples = build(), []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = build()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append(1e3 * (time.perf_counter() - start))
+        ms, result = elapsed_ms(build, device)
+        samples.append(ms)
     return statistics.median(samples), result
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import time
 
 import torch
 
@@ -16,6 +15,7 @@ from flash_msa import patterns
 from flash_msa.bench import LAYOUTS as BENCH_LAYOUTS
 from flash_msa.layout import BLOCK_SIZES, BlockLayout
 from flash_msa.ops import registry
+from flash_msa.ops.fastest import elapsed_ms
 from flash_msa.ops.interface import block_sparse_attn_func
 from flash_msa.reference import attention_reference, layout_mask
 from flash_msa.testing import random_qkv, relative_error
@@ -47,17 +47,6 @@ OPTION_HELP = {
     "kv_block": "key/value block size in tokens (default: BLOCK_SIZE)",
 }
 NOT_OPTIONS = ("device", "cu_seqlens")  # tensors and devices: not for the command line
-
-
-def _timed(fn, device: torch.device) -> tuple[object, float]:
-    """fn() and its wall time in ms (synchronised on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return result, 1e3 * (time.perf_counter() - start)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -92,7 +81,7 @@ def demo(args: argparse.Namespace) -> int:
         return out
 
     step()  # warm-up: compilation and caches
-    out, elapsed = _timed(step, device)
+    elapsed, out = elapsed_ms(step, device)
     # Ground truth: dense float64 on the CPU sizes; the float32 gather reference on the GPU.
     inputs = [
         t.detach().to(torch.float64 if not on_gpu else torch.float32).requires_grad_()

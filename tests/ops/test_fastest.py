@@ -65,45 +65,13 @@ def test_each_key_is_timed_on_its_own():
     assert len(calls) == 8
 
 
-def test_elapsed_ms_on_the_host_clock():
+def test_elapsed_ms_on_the_cpu():
     ms, value = elapsed_ms(lambda: time.sleep(0.02) or 7, CPU)
     assert value == 7 and 20 <= ms < 1000
 
 
 @pytest.mark.gpu
-def test_elapsed_ms_on_cuda_events():
+def test_elapsed_ms_synchronises_cuda():
     a = torch.randn(2048, 2048, device="cuda")
     ms, product = elapsed_ms(lambda: a @ a, a.device)
     assert product.shape == (2048, 2048) and 0 < ms < 1000
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs an sm_90 GPU (H100, H200)",
-)
-def test_gluon_nondeterministic_backward_times_both_dq_modes(monkeypatch):
-    """The first deterministic=False backward of a key times the atomic mode and the Triton
-    dQ kernel and keeps the faster; the gradients of that call and the next (the kept mode
-    alone) match the deterministic call's within bf16 rounding."""
-    from flash_msa import block_sparse_attn_func, patterns
-    from flash_msa.ops import gluon
-    from flash_msa.testing import random_qkv, relative_error
-
-    monkeypatch.setattr(gluon, "_NONDETERMINISTIC_DQ", FastestPath(("atomic", "triton")))
-    q, k, v = random_qkv(1, 1024, 4, 128, dtype=torch.bfloat16, device="cuda",
-                         requires_grad=True)  # fmt: skip
-    layout = patterns.causal(1024, device="cuda")
-    grad_out = torch.randn_like(q)
-
-    def grads(deterministic):
-        out = block_sparse_attn_func(q, k, v, layout, causal=True, backend="gluon",
-                                     deterministic=deterministic)  # fmt: skip
-        return torch.autograd.grad(out, (q, k, v), grad_out)
-
-    exact = grads(True)
-    for _ in range(2):
-        for grad, expected in zip(grads(False), exact, strict=True):
-            assert relative_error(grad.float(), expected.float()) < 1e-2
-    (timings,) = gluon._NONDETERMINISTIC_DQ.timings.values()
-    assert set(timings) == {"atomic", "triton"} and min(timings.values()) > 0

@@ -81,10 +81,19 @@ def references(q, k, v, mask, grad_out, dtype) -> dict:
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("grad_q", ["op", "gluon", "ordered", "atomic"])
+@pytest.mark.parametrize("grad_q", ["op", "op-nondeterministic", "gluon", "ordered", "atomic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_allocations):
+def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_allocations,
+                                                monkeypatch):  # fmt: skip
+    """The op's backward (deterministic, and deterministic=False: its first call times the
+    atomic mode and the Triton dQ kernel, both run, the last returned) and each grad_q mode
+    called directly."""
+    from flash_msa.ops import gluon
+    from flash_msa.ops.fastest import FastestPath
+
+    choice = FastestPath(("atomic", "triton"))
+    monkeypatch.setattr(gluon, "_NONDETERMINISTIC_DQ", choice)
     case = CASES[name]
     layout = case.layout(case.seq_len).to("cuda")
     q, k, v = random_qkv(case.batch, case.seq_len, case.heads_q, case.head_dim,
@@ -98,8 +107,9 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_al
     out, lse = block_sparse_attn_func(
         q, k, v, layout, causal=case.causal, window_size=case.window_size,
         document_ids=documents, backend="gluon", return_lse=True,
+        deterministic=grad_q != "op-nondeterministic",
     )  # fmt: skip
-    if grad_q != "op":  # the kernel's grad_q mode called directly
+    if not grad_q.startswith("op"):  # the kernel's grad_q mode called directly
         grads = backward.attention_backward(
             grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, layout,
             causal=case.causal, window_size=case.window_size, softmax_scale=case.head_dim**-0.5,
@@ -110,6 +120,8 @@ def test_gluon_backend_within_twice_torch_error(name, dtype, grad_q, poisoned_al
     mask = layout_mask(layout, case.batch, case.heads_q, causal=case.causal,
                        window_size=case.window_size, document_ids=documents)  # fmt: skip
     grads_within_twice_torch_error(references(q, k, v, mask, grad_out, dtype), (out, lse, *grads))
+    if grad_q == "op-nondeterministic":
+        assert [sorted(times) for times in choice.timings.values()] == [["atomic", "triton"]]
 
 
 @pytest.mark.gpu
